@@ -1,0 +1,496 @@
+"""Data pipeline: parallel text, cached tokenization, static-shape batches.
+
+Translation batches follow the paper: pairs are grouped by length into a few
+fixed bucket lengths and each batch holds about `tokens_per_batch` source and
+as many target tokens. Shapes are static per bucket, so a jitted train step
+compiles once per bucket. Batches are a pure function of (seed, epoch), so a
+run resumes at any step with the same data order and no iterator state.
+
+Language-model batches are nanoGPT-style random windows of one token stream,
+seeded by (seed, step) for the same reason.
+"""
+
+import hashlib
+import itertools
+import multiprocessing
+import os
+import tempfile
+
+import numpy as np
+
+from jaxformer import tokenizer as tokenizer_lib
+from jaxformer.errors import UserError
+
+PAD_ID, BOS_ID, EOS_ID = (tokenizer_lib.PAD_ID, tokenizer_lib.BOS_ID,
+                          tokenizer_lib.EOS_ID)
+DEFAULT_BUCKETS = (8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512,
+                   768, 1024)
+_CACHE_VERSION = "1"  # Bump when the cache layout or tokenization changes.
+
+
+# ----------------------------------------------------------------------------
+# Reading text.
+
+
+def read_lines(path):
+  """Returns the lines of a UTF-8 text file (list[str], newline stripped)."""
+  path = os.fspath(path)
+  if not os.path.isfile(path):
+    raise UserError(f"{path}: file not found")
+  with open(path, "rb") as f:
+    data = f.read()
+  try:
+    text = data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    line = data.count(b"\n", 0, e.start) + 1
+    raise UserError(f"{path}:{line}: not valid UTF-8 (byte {e.start}); "
+                    "convert the file to UTF-8") from None
+  if not text.strip():
+    raise UserError(f"{path}: file is empty")
+  # split("\n"), not splitlines(): the latter also splits on U+2028, U+0085
+  # etc., which occur inside real sentences and would misalign the pairs.
+  lines = text.removeprefix("\ufeff").split("\n")
+  if lines[-1] == "":
+    lines.pop()
+  return [l.removesuffix("\r") for l in lines]
+
+
+def read_parallel(src_path, tgt_path):
+  """Reads aligned files (line i of one translates line i of the other).
+
+  Returns:
+    (src_lines, tgt_lines), two lists of str of equal length.
+  """
+  src, tgt = read_lines(src_path), read_lines(tgt_path)
+  if len(src) != len(tgt):
+    raise UserError(
+        f"parallel files differ in length: {src_path} has {len(src)} lines, "
+        f"{tgt_path} has {len(tgt)}; they must be line-aligned")
+  return src, tgt
+
+
+def load_translation(source, split="train", src_lang="en", tgt_lang="de",
+                     hub_config=None, max_examples=None):
+  """Loads a translation split as (src_lines, tgt_lines).
+
+  Args:
+    source: "hf:<name>" for a Hugging Face dataset with a `translation`
+      column (e.g. "hf:wmt14"), a directory with `{split}.{lang}` files
+      (e.g. shared/data/multi30k), or a prefix with `{source}.{lang}` files.
+    split: hub split ("train", "validation", "test") or local file stem.
+    src_lang, tgt_lang: language codes, e.g. "en", "de".
+    hub_config: hub config; default "<xx>-en" for pairs with English
+      (wmt14 names them "de-en", "fr-en", ...), else "<src>-<tgt>".
+    max_examples: keep only the first this many pairs.
+  Returns:
+    (src_lines, tgt_lines), two lists of str.
+  """
+  source = os.fspath(source)
+  if source.startswith("hf:"):
+    return _load_hub(source[3:], split, src_lang, tgt_lang, hub_config,
+                     max_examples)
+  if os.path.isdir(source):
+    stem = os.path.join(source, split)
+  else:
+    stem = source
+  src, tgt = read_parallel(f"{stem}.{src_lang}", f"{stem}.{tgt_lang}")
+  if max_examples is not None:
+    src, tgt = src[:max_examples], tgt[:max_examples]
+  return src, tgt
+
+
+def _load_hub(name, split, src_lang, tgt_lang, config, max_examples):
+  import datasets  # Lazy: heavy import, only needed for the hub path.
+  if config is None:
+    pair = {src_lang, tgt_lang}
+    config = (f"{(pair - {'en'}).pop()}-en" if "en" in pair and len(pair) == 2
+              else f"{src_lang}-{tgt_lang}")
+  spec = split if max_examples is None else f"{split}[:{max_examples}]"
+  try:
+    ds = datasets.load_dataset(name, config, split=spec)
+  except Exception as e:  # Network, auth, unknown name/config/split.
+    msg = str(e).strip().split("\n")[0][:200]
+    raise UserError(
+        f"could not load {name}/{config} split '{split}' from the Hugging "
+        f"Face hub ({type(e).__name__}: {msg}); check the name or use local "
+        "files") from e
+  pairs = ds["translation"]
+  if pairs and (src_lang not in pairs[0] or tgt_lang not in pairs[0]):
+    raise UserError(f"{name}/{config} has languages {sorted(pairs[0])}, not "
+                    f"{src_lang} and {tgt_lang}")
+  return [p[src_lang] for p in pairs], [p[tgt_lang] for p in pairs]
+
+
+# ----------------------------------------------------------------------------
+# Token ids: ragged arrays, filtering, cached parallel tokenization.
+
+
+class Ragged:
+  """Variable-length int32 sequences as one flat array + offsets [n + 1]."""
+
+  def __init__(self, flat, offsets):
+    self.flat = np.asarray(flat, np.int32)
+    self.offsets = np.asarray(offsets, np.int64)
+    self.lengths = np.diff(self.offsets)
+
+  @classmethod
+  def from_lists(cls, seqs):
+    """Builds from a sequence of int sequences."""
+    if isinstance(seqs, Ragged):
+      return seqs
+    lengths = np.fromiter((len(s) for s in seqs), np.int64, len(seqs))
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    flat = np.fromiter(itertools.chain.from_iterable(seqs), np.int32,
+                       int(offsets[-1]))
+    return cls(flat, offsets)
+
+  def __len__(self):
+    return len(self.lengths)
+
+  def __getitem__(self, i):
+    return self.flat[self.offsets[i]:self.offsets[i + 1]]
+
+  def gather(self, idx, length):
+    """Returns rows `idx` [B] as [B, length] int32, zero-padded on the right."""
+    pos = np.arange(length)
+    lens = self.lengths[idx]
+    if not len(self.flat):
+      return np.zeros((len(idx), length), np.int32)
+    where = np.minimum(self.offsets[idx][:, None] + pos, len(self.flat) - 1)
+    return np.where(pos < lens[:, None], self.flat[where], 0).astype(np.int32)
+
+
+def filter_pairs(src_ids, tgt_ids, max_len):
+  """Drops pairs with an empty side or a side longer than `max_len` - 1.
+
+  The -1 leaves room for EOS (and the BOS shift), as in the batcher.
+  Args:
+    src_ids, tgt_ids: `Ragged` or sequences of id sequences, same length n.
+    max_len: the longest allowed padded length.
+  Returns:
+    (kept [k] int64 indices, {"kept": k, "empty": ..., "too_long": ...}).
+  """
+  ls = Ragged.from_lists(src_ids).lengths
+  lt = Ragged.from_lists(tgt_ids).lengths
+  empty = (ls == 0) | (lt == 0)
+  too_long = ~empty & (np.maximum(ls, lt) + 1 > max_len)
+  kept = np.flatnonzero(~empty & ~too_long)
+  return kept, {"kept": len(kept), "empty": int(empty.sum()),
+                "too_long": int(too_long.sum())}
+
+
+def _cache_key(tokenizer_path, texts):
+  h = hashlib.sha256(_CACHE_VERSION.encode())
+  tokenizer_path = os.fspath(tokenizer_path)
+  if tokenizer_path == "byte":
+    h.update(b"byte")
+  else:
+    with open(tokenizer_path, "rb") as f:
+      h.update(f.read())
+  for t in texts:
+    if isinstance(t, (str, os.PathLike)):
+      # Path + size + mtime instead of contents: O(1) for multi-GB corpora.
+      st = os.stat(t)
+      h.update(f"\0file:{os.path.abspath(t)}:{st.st_size}:{st.st_mtime_ns}"
+               .encode())
+    else:
+      h.update(f"\0lines:{len(t)}".encode())
+      for i in range(0, len(t), 100_000):
+        h.update("\n".join(t[i:i + 100_000]).encode("utf-8", "surrogatepass"))
+  return h.hexdigest()
+
+
+_worker_tokenizer = None
+
+
+def _init_worker(tokenizer_path):
+  global _worker_tokenizer
+  _worker_tokenizer = tokenizer_lib.load_tokenizer(tokenizer_path)
+
+
+def _encode_chunk(lines):
+  ragged = Ragged.from_lists(_worker_tokenizer.encode_batch(lines))
+  return ragged.flat, ragged.lengths
+
+
+def tokenize_corpus(tokenizer_path, texts, cache_path=None, num_proc=1,
+                    chunk_size=10_000):
+  """Tokenizes several line lists in parallel, cached on disk.
+
+  The cache is an `.npz` (flat ids + offsets per input) keyed by a hash of
+  the tokenizer file's contents and of the inputs (path, size and mtime for
+  files; contents for in-memory lists); a hit loads without touching the
+  tokenizer.
+  Args:
+    tokenizer_path: a file for `tokenizer.load_tokenizer` (or "byte").
+    texts: list of inputs, each a text file path (one sentence per line) or
+      a list of str.
+    cache_path: an `.npz` file (rewritten when the key changes), a directory
+      (holds `tokens-<key>.npz`), or None for no cache.
+    num_proc: worker processes; 1 tokenizes in this process.
+    chunk_size: lines per task sent to a worker.
+  Returns:
+    A list of `Ragged`, one per input, without BOS/EOS.
+  """
+  key = _cache_key(tokenizer_path, texts)
+  if cache_path is not None:
+    cache_path = os.fspath(cache_path)
+    if not cache_path.endswith(".npz"):
+      cache_path = os.path.join(cache_path, f"tokens-{key[:16]}.npz")
+    if os.path.isfile(cache_path):
+      with np.load(cache_path) as z:
+        if str(z["key"]) == key:
+          return [Ragged(z[f"flat{i}"], z[f"offsets{i}"])
+                  for i in range(int(z["n"]))]
+
+  lines = [read_lines(t) if isinstance(t, (str, os.PathLike)) else list(t)
+           for t in texts]
+  chunks = [(i, l[j:j + chunk_size])
+            for i, l in enumerate(lines) for j in range(0, len(l), chunk_size)]
+  if num_proc > 1 and len(chunks) > 1:
+    # spawn, not fork: forking a process that has started JAX's threads can
+    # deadlock.
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(min(num_proc, len(chunks)), _init_worker,
+                  (tokenizer_path,)) as pool:
+      results = pool.map(_encode_chunk, [c for _, c in chunks], chunksize=1)
+  else:
+    _init_worker(tokenizer_path)
+    results = [_encode_chunk(c) for _, c in chunks]
+  out = []
+  for i in range(len(lines)):
+    parts = [r for (k, _), r in zip(chunks, results) if k == i]
+    flat = np.concatenate([f for f, _ in parts] or [np.zeros(0, np.int32)])
+    lengths = np.concatenate([l for _, l in parts] or [np.zeros(0, np.int64)])
+    out.append(Ragged(flat, np.concatenate([[0], np.cumsum(lengths)])))
+
+  if cache_path is not None:
+    arrays = {"key": np.array(key), "n": np.array(len(out))}
+    for i, r in enumerate(out):
+      arrays[f"flat{i}"], arrays[f"offsets{i}"] = r.flat, r.offsets
+    d = os.path.dirname(os.path.abspath(cache_path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".npz")
+    with os.fdopen(fd, "wb") as f:
+      np.savez(f, **arrays)  # Uncompressed: loading is then just a read.
+    os.replace(tmp, cache_path)
+  return out
+
+
+# ----------------------------------------------------------------------------
+# Translation batches: token budget, length buckets, static shapes.
+
+
+def bucket_lengths(max_len, buckets=DEFAULT_BUCKETS):
+  """Returns the sorted bucket lengths below `max_len`, then `max_len`."""
+  return tuple(b for b in buckets if b < max_len) + (max_len,)
+
+
+class Batcher:
+  """Token-budget batches of translation pairs, a pure function of the step.
+
+  Each pair goes to the smallest bucket length L >= max(len(src)+1,
+  len(tgt)+1) (+1 for EOS, and for BOS in the shifted decoder input). A
+  bucket's batch size is tokens_per_batch // L rounded down to a multiple of
+  `batch_multiple` (use the device count so batches shard evenly), so a batch
+  never exceeds the budget on either side. The last batch of a bucket is
+  filled up with all-padding rows (index -1, segmentation 0): every pair is
+  seen exactly once per epoch and the shape stays static; weight the loss by
+  `targets_segmentation` so filler rows count for nothing.
+  """
+
+  def __init__(self, src_ids, tgt_ids, tokens_per_batch, max_len, seed=0,
+               batch_multiple=1, indices=None, shuffle=True,
+               buckets=DEFAULT_BUCKETS):
+    """Args:
+
+      src_ids, tgt_ids: `Ragged` or sequences of id sequences (no BOS/EOS).
+      tokens_per_batch: token budget per side (paper: ~25000).
+      max_len: longest padded length; pairs must fit (see `filter_pairs`).
+      seed: data-order seed.
+      batch_multiple: every batch size is a multiple of this.
+      indices: the pairs to use (e.g. `filter_pairs`' kept); default all.
+      shuffle: False gives a fixed order (bucket by bucket), for evaluation.
+      buckets: candidate bucket lengths.
+    """
+    self.src = Ragged.from_lists(src_ids)
+    self.tgt = Ragged.from_lists(tgt_ids)
+    if len(self.src) != len(self.tgt):
+      raise ValueError(f"{len(self.src)} sources but {len(self.tgt)} targets")
+    self.seed, self.shuffle = seed, shuffle
+    idx = (np.arange(len(self.src)) if indices is None
+           else np.asarray(indices, np.int64))
+    need = np.maximum(self.src.lengths[idx], self.tgt.lengths[idx]) + 1
+    if len(idx) and need.max() > max_len:
+      raise ValueError(f"a pair needs length {need.max()} > max_len={max_len};"
+                       " drop long pairs with filter_pairs first")
+    self.bucket_lens = np.array(bucket_lengths(max_len, buckets))
+    self.batch_sizes = (tokens_per_batch // self.bucket_lens
+                        // batch_multiple * batch_multiple)
+    bucket = np.searchsorted(self.bucket_lens, need)
+    self._members = [np.sort(idx[bucket == k])
+                     for k in range(len(self.bucket_lens))]
+    for k, members in enumerate(self._members):
+      if len(members) and self.batch_sizes[k] == 0:
+        length = int(self.bucket_lens[k])
+        raise UserError(
+            f"tokens_per_batch={tokens_per_batch} is too small for length "
+            f"{length} with batch_multiple={batch_multiple}; use at least "
+            f"{length * batch_multiple} or a smaller max_len")
+    self._num_batches = [-(-len(m) // max(int(bs), 1))
+                         for m, bs in zip(self._members, self.batch_sizes)]
+    self.steps_per_epoch = sum(self._num_batches)
+    self.num_pairs = len(idx)
+    self._epoch_cache = (None, None)
+
+  def __len__(self):
+    return self.steps_per_epoch
+
+  def epoch_batches(self, epoch):
+    """Returns the epoch's batches: a list of int64 index arrays [batch].
+
+    Index -1 marks a filler row. Shuffles within buckets, chunks, then
+    shuffles the batch order, all seeded by (seed, epoch).
+    """
+    rng = np.random.default_rng([self.seed, epoch])
+    batches = []
+    for members, bs in zip(self._members, self.batch_sizes):
+      if not len(members):
+        continue
+      m = rng.permutation(members) if self.shuffle else members
+      m = np.concatenate([m, np.full(-len(m) % bs, -1, np.int64)])
+      batches.extend(m.reshape(-1, bs))
+    if self.shuffle:
+      batches = [batches[i] for i in rng.permutation(len(batches))]
+    return batches
+
+  def batch_at(self, step):
+    """Returns the batch of global `step` (see `make_batch`)."""
+    epoch, i = divmod(step, self.steps_per_epoch)
+    if self._epoch_cache[0] != epoch:  # One epoch cached: steps go in order.
+      self._epoch_cache = (epoch, self.epoch_batches(epoch))
+    return self.make_batch(self._epoch_cache[1][i])
+
+  def make_batch(self, indices):
+    """Builds a batch from pair indices [B] (-1 = filler row).
+
+    Returns:
+      dict of [B, L] int32 arrays, L the bucket length:
+      inputs: source + EOS; targets: target + EOS; decoder_inputs: BOS +
+      target (targets shifted right, teacher forcing); *_segmentation: 1 on
+      real tokens, 0 on padding; *_position: 0..len-1 on real tokens, else 0.
+    """
+    indices = np.asarray(indices)
+    real = indices >= 0
+    idx = np.where(real, indices, 0)
+    n_src = np.where(real, self.src.lengths[idx] + 1, 0)
+    n_tgt = np.where(real, self.tgt.lengths[idx] + 1, 0)
+    length = int(self.bucket_lens[np.searchsorted(
+        self.bucket_lens, max(n_src.max(), n_tgt.max()))])
+    pos = np.arange(length)[None, :]
+    src_mask, tgt_mask = pos < n_src[:, None], pos < n_tgt[:, None]
+    src_eos, tgt_eos = pos == n_src[:, None] - 1, pos == n_tgt[:, None] - 1
+    inputs = np.where(src_eos, EOS_ID, self.src.gather(idx, length) * src_mask)
+    targets = np.where(tgt_eos, EOS_ID, self.tgt.gather(idx, length) * tgt_mask)
+    shifted = np.concatenate(
+        [np.full((len(idx), 1), BOS_ID), targets[:, :-1]], axis=1)
+    return {
+        "inputs": inputs.astype(np.int32),
+        "targets": targets.astype(np.int32),
+        "decoder_inputs": np.where(tgt_mask, shifted, PAD_ID).astype(np.int32),
+        "inputs_segmentation": src_mask.astype(np.int32),
+        "targets_segmentation": tgt_mask.astype(np.int32),
+        "inputs_position": np.where(src_mask, pos, 0).astype(np.int32),
+        "targets_position": np.where(tgt_mask, pos, 0).astype(np.int32),
+    }
+
+  def shapes(self):
+    """Returns the sorted (batch, length) shapes this corpus produces."""
+    return sorted((int(bs), int(length)) for m, bs, length in zip(
+        self._members, self.batch_sizes, self.bucket_lens) if len(m))
+
+  def padding_fraction(self):
+    """Fraction of padded positions (both sides) over an epoch.
+
+    The same for every epoch: the bucket contents never change.
+    """
+    total = sum(n * int(bs) * int(length) * 2 for n, bs, length in zip(
+        self._num_batches, self.batch_sizes, self.bucket_lens))
+    members = np.concatenate(self._members)
+    real = (self.src.lengths[members] + self.tgt.lengths[members]).sum() + (
+        2 * len(members))
+    return 1.0 - real / total if total else 0.0
+
+
+# ----------------------------------------------------------------------------
+# Language modelling: one token stream, random windows.
+
+
+def nanogpt_split(text, train_fraction=0.9):
+  """Splits text like nanoGPT: first 90% of characters train, rest val."""
+  n = int(len(text) * train_fraction)
+  return text[:n], text[n:]
+
+
+def lm_token_stream(texts, tokenizer, add_eos=True):
+  """Concatenates tokenized documents into one stream.
+
+  Args:
+    texts: iterable of documents (str).
+    tokenizer: a `Tokenizer`.
+    add_eos: append EOS after each document; False matches nanoGPT.
+  Returns:
+    int32 array [total_tokens].
+  """
+  parts = []
+  for t in texts:
+    ids = (tokenizer.encode_array(t) if hasattr(tokenizer, "encode_array")
+           else np.asarray(tokenizer.encode(t), np.int32))
+    parts.append(ids)
+    if add_eos:
+      parts.append(np.array([EOS_ID], np.int32))
+  return np.concatenate(parts or [np.zeros(0, np.int32)]).astype(np.int32)
+
+
+class LMBatcher:
+  """nanoGPT-style random windows; batch `step` is seeded by (seed, step).
+
+  Segments: `segment_ids` starts a new segment on the token after each EOS and
+  `positions` restart at 0 there. A model that masks attention to equal
+  segment ids (and uses these positions) never attends across a document
+  boundary; one that ignores them attends over the whole window, as nanoGPT
+  does. Either way the target after an EOS is the next document's first token.
+  """
+
+  def __init__(self, stream, block_size, batch_size, seed=0, eos_id=EOS_ID):
+    """Args: stream [N] int ids, window length, windows per batch, seed."""
+    self.stream = np.asarray(stream, np.int32)
+    if len(self.stream) < block_size + 1:
+      raise UserError(f"the token stream has {len(self.stream)} tokens, fewer "
+                      f"than block_size + 1 = {block_size + 1}; use a smaller "
+                      "block_size or more text")
+    self.block_size, self.batch_size = block_size, batch_size
+    self.seed, self.eos_id = seed, eos_id
+
+  def batch_at(self, step):
+    """Returns the batch for `step`.
+
+    Returns:
+      dict of [batch_size, block_size] int32 arrays: inputs, targets (inputs
+      shifted left by one), segment_ids (from 1), positions.
+    """
+    rng = np.random.default_rng([self.seed, step])
+    starts = rng.integers(0, len(self.stream) - self.block_size,
+                          self.batch_size)
+    w = self.stream[starts[:, None] + np.arange(self.block_size + 1)]
+    inputs, targets = w[:, :-1], w[:, 1:]
+    new = np.zeros(inputs.shape, bool)
+    new[:, 1:] = inputs[:, :-1] == self.eos_id
+    idx = np.broadcast_to(np.arange(self.block_size), inputs.shape)
+    start = np.maximum.accumulate(np.where(new, idx, 0), axis=1)
+    return {
+        "inputs": inputs,
+        "targets": targets,
+        "segment_ids": (1 + np.cumsum(new, axis=1)).astype(np.int32),
+        "positions": (idx - start).astype(np.int32),
+    }

@@ -1,0 +1,279 @@
+"""Building blocks shared by every model: embeddings, positions, attention, FFN, norms.
+
+Every parameter carries logical axis names (`vocab`, `embed`, `heads`, `kv_heads`,
+`kv`, `mlp`, `norm`, `length`); `jaxformer.sharding` maps them to mesh axes, so
+nothing here mentions devices. Parameters are float32; compute runs in `cfg.dtype`.
+"""
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxformer.config import ModelConfig
+
+# Masked logits get a large finite negative value, not -inf: a fully masked row
+# (a padding query) then gives a harmless uniform average instead of NaN.
+_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+def _param(init, names):
+  return nn.with_logical_partitioning(init, names)
+
+
+def kernel_init(cfg: ModelConfig):
+  """The config's kernel initializer (Xavier-uniform for the paper, N(0, std) for GPT/Llama).
+
+  DenseGeneral calls it on the kernel flattened to [fan_in, fan_out].
+  """
+  if cfg.kernel_init == "normal":
+    return nn.initializers.normal(cfg.init_std)
+  return nn.initializers.xavier_uniform()
+
+
+def dense(cfg, features, names, axis=-1, name=None, use_bias=None):
+  """DenseGeneral with logical names on kernel (`names`) and bias (the output names)."""
+  n_out = len(features) if isinstance(features, tuple) else 1
+  return nn.DenseGeneral(
+      features, axis=axis, use_bias=cfg.use_bias if use_bias is None else use_bias,
+      dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.float32, name=name,
+      kernel_init=_param(kernel_init(cfg), names),
+      bias_init=_param(nn.initializers.zeros, names[-n_out:]))
+
+
+class Embed(nn.Module):
+  """Token embedding table [vocab, d_model]; `attend` reuses it as the output layer."""
+  cfg: ModelConfig
+
+  def setup(self):
+    cfg = self.cfg
+    # With sqrt(d) scaling the table starts at std d^-0.5 so the scaled input has unit scale.
+    std = cfg.d_model ** -0.5 if cfg.scale_embeddings else cfg.init_std
+    self.embedding = self.param("embedding", _param(nn.initializers.normal(std), ("vocab", "embed")),
+                                (cfg.vocab_size, cfg.d_model), jnp.float32)
+
+  def __call__(self, ids):
+    """ids [batch, length] int -> [batch, length, d_model]."""
+    x = jnp.take(self.embedding, ids, axis=0).astype(self.cfg.dtype)
+    return x * math.sqrt(self.cfg.d_model) if self.cfg.scale_embeddings else x
+
+  def attend(self, x):
+    """x [batch, length, d_model] -> logits [batch, length, vocab] (float32)."""
+    return jnp.einsum("bld,vd->blv", x, self.embedding.astype(x.dtype)).astype(jnp.float32)
+
+
+def sinusoidal(positions, d_model, layout="interleaved", max_timescale=10000.0):
+  """The paper's encoding: PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...).
+
+  positions [batch, length] -> [batch, length, d_model]. `layout="concat"` gives
+  tensor2tensor's variant (all sines, then all cosines, timescales 1..10000 spread
+  over d/2 - 1 steps), kept as an option for checkpoints trained that way.
+  """
+  half = d_model // 2
+  if layout == "interleaved":
+    inv_freq = max_timescale ** (-np.arange(0, d_model, 2, dtype=np.float64) / d_model)
+  else:
+    inv_freq = np.exp(-np.arange(half) * math.log(max_timescale) / max(half - 1, 1))
+  angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
+  sin, cos = jnp.sin(angles), jnp.cos(angles)
+  if layout == "interleaved":
+    return jnp.stack([sin, cos], axis=-1).reshape(*positions.shape, 2 * half)
+  return jnp.concatenate([sin, cos], axis=-1)
+
+
+def rope_frequencies(cfg: ModelConfig):
+  """Inverse frequencies [head_dim/2] and the attention-scale factor for RoPE and its scalings.
+
+  - ntk:    NTK-aware: base theta * s^(d / (d - 2)), stretching low frequencies most.
+  - yarn:   YaRN (Peng et al. 2023): interpolate low frequencies by s, keep high ones,
+            linear ramp between (beta_fast=32, beta_slow=1 rotations), and scale the
+            logits by (0.1 ln s + 1)^2 (applied to q and k as 0.1 ln s + 1 each).
+  - llama3: Llama 3.1's piecewise rule (low_freq_factor 1, high_freq_factor 4).
+  """
+  d = cfg.dim_per_head
+  s = cfg.rope_scaling_factor
+  theta = cfg.rope_theta
+  if cfg.rope_scaling == "ntk":
+    theta = theta * s ** (d / (d - 2))
+  inv_freq = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+  mscale = 1.0
+  if cfg.rope_scaling == "yarn":
+    def dim_for(rotations):  # the dimension whose wavelength fits `rotations` times in the context
+      return d * math.log(cfg.rope_original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+    low, high = max(math.floor(dim_for(32)), 0), min(math.ceil(dim_for(1)), d - 1)
+    ramp = np.clip((np.arange(d // 2) - low) / max(high - low, 1e-3), 0, 1)  # 0: keep, 1: interpolate
+    inv_freq = inv_freq * (1 - ramp) + inv_freq / s * ramp
+    mscale = 0.1 * math.log(s) + 1.0 if s > 1 else 1.0
+  elif cfg.rope_scaling == "llama3":
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen, high_wavelen = cfg.rope_original_max_len / 1.0, cfg.rope_original_max_len / 4.0
+    smooth = (cfg.rope_original_max_len / wavelen - 1.0) / (4.0 - 1.0)
+    mid = (1 - smooth) * inv_freq / s + smooth * inv_freq
+    inv_freq = np.where(wavelen > low_wavelen, inv_freq / s, np.where(wavelen < high_wavelen, inv_freq, mid))
+  return inv_freq, mscale
+
+
+def apply_rope(x, positions, cfg: ModelConfig):
+  """Rotates x [batch, length, heads, head_dim] by positions [batch, length].
+
+  Half-split layout (dims i and i + d/2 form a pair), as in Llama's HF/MaxText code.
+  """
+  inv_freq, mscale = rope_frequencies(cfg)
+  angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
+  sin, cos = jnp.sin(angles)[:, :, None, :] * mscale, jnp.cos(angles)[:, :, None, :] * mscale
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def alibi_slopes(num_heads):
+  """ALiBi head slopes (Press et al. 2022): geometric from 2^(-8/n), with the paper's rule for non-powers of 2."""
+  def power_of_2(n):
+    start = 2 ** (-8 / n)
+    return [start ** (i + 1) for i in range(n)]
+  if math.log2(num_heads).is_integer():
+    return np.array(power_of_2(num_heads), np.float32)
+  closest = 2 ** math.floor(math.log2(num_heads))
+  extra = power_of_2(2 * closest)[0::2][: num_heads - closest]
+  return np.array(power_of_2(closest) + extra, np.float32)
+
+
+def make_attention_mask(q_segment, kv_segment, q_slot=None, kv_slot=None):
+  """Boolean mask [batch, 1, q_len, kv_len]: True where a query may attend to a key.
+
+  Segment ids do the padding and the packing at once: a key is visible when it is
+  in the query's segment and is not padding (segment 0). With slot indices (the
+  position of each token in its row/cache, [q_len] and [kv_len]) the mask is causal.
+  """
+  mask = (q_segment[:, :, None] == kv_segment[:, None, :]) & (kv_segment[:, None, :] != 0)
+  if q_slot is not None:
+    mask = mask & (kv_slot[None, None, :] <= q_slot[None, :, None])
+  return mask[:, None]
+
+
+def dot_product_attention(q, k, v, mask, bias=None, dropout_rate=0.0, dropout_rng=None,
+                          deterministic=True, implementation="auto"):
+  """softmax(q k^T / sqrt(d_k) + bias) v, the one attention used everywhere.
+
+  q [batch, q_len, heads, head_dim]; k, v [batch, kv_len, kv_heads, head_dim] with
+  heads a multiple of kv_heads (GQA/MQA); mask [batch, 1|heads, q_len, kv_len] bool;
+  bias [batch|1, heads, q_len, kv_len] or None. Returns [batch, q_len, heads, head_dim].
+
+  On GPU (and with no attention dropout) it calls `jax.nn.dot_product_attention`, which
+  picks cuDNN flash attention; elsewhere it runs the grouped einsum below, which XLA
+  fuses well on CPU and TPU and which avoids materialising repeated kv heads.
+  """
+  use_dropout = dropout_rate > 0.0 and not deterministic
+  if implementation == "auto":  # None lets JAX pick cuDNN flash attention when it can
+    implementation = None if jax.default_backend() == "gpu" else "einsum"
+  if implementation != "einsum" and not use_dropout:
+    return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, implementation=implementation)
+  b, t, h, d = q.shape
+  kv_heads = k.shape[2]
+  q = q.reshape(b, t, kv_heads, h // kv_heads, d) * jnp.asarray(d ** -0.5, q.dtype)
+  logits = jnp.einsum("btkgd,bskd->bkgts", q, k).astype(jnp.float32)
+  logits = logits.reshape(b, h, t, k.shape[1])
+  if bias is not None:
+    logits = logits + bias
+  logits = jnp.where(mask, logits, _MASK_VALUE)
+  weights = jax.nn.softmax(logits, axis=-1)
+  if use_dropout:
+    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
+    weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
+  weights = weights.astype(v.dtype).reshape(b, kv_heads, h // kv_heads, t, k.shape[1])
+  return jnp.einsum("bkgts,bskd->btkgd", weights, v).reshape(b, t, h, d)
+
+
+class Attention(nn.Module):
+  """Multi-head self- or cross-attention with GQA/MQA and a static-size KV cache.
+
+  In decode mode, self-attention keeps `cached_key`/`cached_value` [batch, max_len,
+  kv_heads, head_dim] plus the keys' segment ids and positions; each call writes its
+  tokens at `cache_index` (prefill many positions, then one per step). The cache size
+  is the length of the input the cache was initialised with.
+  """
+  cfg: ModelConfig
+  causal: bool = False
+
+  @nn.compact
+  def __call__(self, x, q_segment, q_position, kv_x=None, kv_segment=None, kv_position=None,
+               deterministic=True, decode=False):
+    """x [batch, q_len, d_model] -> [batch, q_len, d_model]. kv_x=None means self-attention."""
+    cfg = self.cfg
+    h, kvh, d = cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
+    cross = kv_x is not None
+    if not cross:
+      kv_x, kv_segment, kv_position = x, q_segment, q_position
+    q = dense(cfg, (h, d), ("embed", "heads", "kv"), name="query")(x)
+    k = dense(cfg, (kvh, d), ("embed", "kv_heads", "kv"), name="key")(kv_x)
+    v = dense(cfg, (kvh, d), ("embed", "kv_heads", "kv"), name="value")(kv_x)
+    if cfg.position == "rope" and not cross:
+      q, k = apply_rope(q, q_position, cfg), apply_rope(k, kv_position, cfg)
+
+    q_len = x.shape[1]
+    q_slot = kv_slot = jnp.arange(q_len) if self.causal else None
+    if decode and not cross:
+      k, v, kv_segment, kv_position, q_slot, kv_slot = self._update_cache(k, v, q_segment, q_position)
+
+    mask = make_attention_mask(q_segment, kv_segment, q_slot, kv_slot)
+    bias = None
+    if cfg.position == "alibi" and not cross:
+      distance = (q_position[:, :, None] - kv_position[:, None, :]).astype(jnp.float32)
+      bias = -jnp.asarray(alibi_slopes(h))[None, :, None, None] * jnp.abs(distance)[:, None]
+    dropout_rng = None
+    if cfg.attention_dropout_rate > 0 and not deterministic:
+      dropout_rng = self.make_rng("dropout")
+    out = dot_product_attention(q, k, v, mask, bias, cfg.attention_dropout_rate, dropout_rng,
+                                deterministic, cfg.attention_impl)
+    out = nn.with_logical_constraint(out, ("batch", "length", "heads", "kv"))
+    return dense(cfg, cfg.d_model, ("heads", "kv", "embed"), axis=(-2, -1), name="out")(out)
+
+  def _update_cache(self, k, v, segment, position):
+    """Writes k, v [batch, len, kv_heads, head_dim] at cache_index; returns the whole cache."""
+    b, t = k.shape[:2]
+    initialized = self.has_variable("cache", "cached_key")
+    ck = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
+    cv = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
+    cseg = self.variable("cache", "cached_segment", jnp.zeros, segment.shape, jnp.int32)
+    cpos = self.variable("cache", "cached_position", jnp.zeros, position.shape, jnp.int32)
+    index = self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
+    if not initialized:  # init call: the input's length fixes the cache size
+      return k, v, segment, position, jnp.arange(t), jnp.arange(t)
+    i = index.value
+    ck.value = jax.lax.dynamic_update_slice(ck.value, k.astype(ck.value.dtype), (0, i, 0, 0))
+    cv.value = jax.lax.dynamic_update_slice(cv.value, v.astype(cv.value.dtype), (0, i, 0, 0))
+    cseg.value = jax.lax.dynamic_update_slice(cseg.value, segment.astype(jnp.int32), (0, i))
+    cpos.value = jax.lax.dynamic_update_slice(cpos.value, position.astype(jnp.int32), (0, i))
+    index.value = i + t
+    max_len = ck.value.shape[1]
+    return ck.value, cv.value, cseg.value, cpos.value, i + jnp.arange(t), jnp.arange(max_len)
+
+
+class FeedForward(nn.Module):
+  """Position-wise FFN: ReLU (paper), GELU (GPT-2) or SwiGLU (Llama). [b, l, d] -> [b, l, d]."""
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x, deterministic=True):
+    cfg = self.cfg
+    if cfg.activation == "swiglu":
+      gate = dense(cfg, cfg.d_ff, ("embed", "mlp"), name="wi_gate")(x)
+      up = dense(cfg, cfg.d_ff, ("embed", "mlp"), name="wi_up")(x)
+      hidden = nn.silu(gate) * up
+    else:
+      hidden = dense(cfg, cfg.d_ff, ("embed", "mlp"), name="wi")(x)
+      # GPT-2 uses the tanh approximation of GELU.
+      hidden = nn.relu(hidden) if cfg.activation == "relu" else nn.gelu(hidden, approximate=True)
+    hidden = nn.with_logical_constraint(hidden, ("batch", "length", "mlp"))
+    return dense(cfg, cfg.d_model, ("mlp", "embed"), name="wo")(hidden)
+
+
+def norm(cfg: ModelConfig, name=None):
+  """LayerNorm (paper, GPT-2) or RMSNorm (Llama), parameters named on the `norm` axis."""
+  if cfg.norm == "rmsnorm":
+    return nn.RMSNorm(epsilon=cfg.norm_eps, dtype=jnp.dtype(cfg.dtype), name=name,
+                      scale_init=_param(nn.initializers.ones, ("norm",)))
+  return nn.LayerNorm(epsilon=cfg.norm_eps, dtype=jnp.dtype(cfg.dtype), name=name,
+                      scale_init=_param(nn.initializers.ones, ("norm",)),
+                      bias_init=_param(nn.initializers.zeros, ("norm",)))

@@ -1,0 +1,77 @@
+"""Device mesh and the logical-axis rule table.
+
+Model code names axes (`batch`, `embed`, `heads`, ...); this table maps them to the
+mesh axes `data`, `fsdp`, `tensor`. FSDP shards parameters and optimizer state over
+`fsdp`; tensor parallelism splits heads and the FFN hidden dimension over `tensor`;
+the batch is split over `data` x `fsdp`.
+"""
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxformer.config import MeshConfig
+from jaxformer.errors import UserError
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+RULES = (
+    ("batch", ("data", "fsdp")),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("kv", None),
+    ("length", None),
+    ("norm", None),
+)
+
+
+def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
+  """A (data, fsdp, tensor) mesh over `devices` (default: all); one -1 axis takes the rest."""
+  devices = jax.devices() if devices is None else devices
+  sizes = [cfg.data, cfg.fsdp, cfg.tensor]
+  fixed = int(np.prod([s for s in sizes if s != -1]))
+  if sizes.count(-1) > 1:
+    raise UserError("at most one of mesh.data/mesh.fsdp/mesh.tensor may be -1")
+  if -1 in sizes:
+    if len(devices) % fixed:
+      raise UserError(f"{len(devices)} devices cannot be split into mesh axes of size {sizes}")
+    sizes[sizes.index(-1)] = len(devices) // fixed
+  if int(np.prod(sizes)) != len(devices):
+    raise UserError(f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} needs "
+                    f"{int(np.prod(sizes))} devices; {len(devices)} are available")
+  return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+
+
+def logical_sharding(boxed_tree, mesh: Mesh):
+  """NamedShardings for a tree of boxed (logically named) arrays or ShapeDtypeStructs.
+
+  A dimension that the mesh axis does not divide evenly is replicated instead (e.g. a
+  50,257-token vocabulary over 2 tensor devices): correct, just less sharded.
+  """
+  specs = nn.get_partition_spec(boxed_tree)
+  shardings = nn.logical_to_mesh_sharding(specs, mesh, RULES)
+  shapes = nn.unbox(boxed_tree)
+
+  def fit(sharding, leaf):
+    spec = list(sharding.spec) + [None] * (len(leaf.shape) - len(sharding.spec))
+    for i, axes in enumerate(spec):
+      names = axes if isinstance(axes, tuple) else (axes,) if axes else ()
+      size = int(np.prod([mesh.shape[a] for a in names])) if names else 1
+      if leaf.shape[i] % size:
+        spec[i] = None
+    return NamedSharding(mesh, P(*spec))
+
+  return jax.tree.map(fit, shardings, shapes, is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Leading (batch) axis over data x fsdp; everything else replicated."""
+  return NamedSharding(mesh, P(("data", "fsdp")))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())

@@ -1,0 +1,302 @@
+"""Tokenizers with one id convention: PAD=0, BOS=1, EOS=2 (UNK=3 for spm).
+
+Three implementations share the `Tokenizer` interface:
+
+* `SentencePieceTokenizer`: a joint (source + target) BPE/unigram `.model`.
+* `CharTokenizer`: the sorted distinct characters of the training text, stored
+  as a small JSON file. The three specials come *first* (ids 0..2) and
+  character i of the sorted vocabulary gets id i + 3, so Tiny Shakespeare's 65
+  characters give `vocab_size == 68`. Keeping PAD=0 for every tokenizer lets
+  the model and the batchers treat id 0 as padding without special cases; the
+  three extra logits cost nothing measurable (they are never targets when
+  `lm_token_stream(..., add_eos=False)`, so losses stay comparable to
+  nanoGPT's 65-way char model).
+* `ByteTokenizer`: UTF-8 bytes, byte b -> id b + 3 (vocab 259); no training.
+"""
+
+import json
+import os
+import tempfile
+
+import numpy as np
+
+from jaxformer.errors import UserError, closest
+
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+NUM_SPECIALS = 3  # PAD, BOS, EOS; char/byte ids start after them.
+
+
+class Tokenizer:
+  """Text <-> ids. Subclasses implement `encode` and `_decode_clean`."""
+
+  pad_id, bos_id, eos_id = PAD_ID, BOS_ID, EOS_ID
+  vocab_size: int
+
+  def encode(self, text):
+    """Returns the ids of `text` (list[int]) without BOS/EOS."""
+    raise NotImplementedError
+
+  def encode_batch(self, texts):
+    """Returns `[encode(t) for t in texts]`; subclasses may do it faster."""
+    return [self.encode(t) for t in texts]
+
+  def decode(self, ids):
+    """Returns the text of `ids` [len]: stops at the first EOS, drops PAD/BOS."""
+    ids = [int(i) for i in ids]
+    if EOS_ID in ids:
+      ids = ids[:ids.index(EOS_ID)]
+    return self._decode_clean([i for i in ids if i not in (PAD_ID, BOS_ID)])
+
+  def _decode_clean(self, ids):
+    raise NotImplementedError
+
+
+class SentencePieceTokenizer(Tokenizer):
+  """A trained sentencepiece `.model` (see `train_sentencepiece`)."""
+
+  def __init__(self, model_path):
+    import sentencepiece as spm  # Lazy: only spm users need the extension.
+    model_path = os.fspath(model_path)
+    if not os.path.isfile(model_path):
+      raise UserError(f"sentencepiece model {model_path} not found")
+    self.path = model_path
+    self.sp = spm.SentencePieceProcessor(model_file=model_path)
+    if (self.sp.pad_id(), self.sp.bos_id(), self.sp.eos_id()) != (
+        PAD_ID, BOS_ID, EOS_ID):
+      raise UserError(
+          f"{model_path} was not trained with pad/bos/eos ids 0/1/2; retrain "
+          "it with jaxformer.tokenizer.train_sentencepiece")
+    self.vocab_size = self.sp.vocab_size()
+
+  def encode(self, text):
+    return self.sp.encode(text)
+
+  def encode_batch(self, texts):
+    # The C++ side batches (and threads) far faster than a Python loop.
+    return self.sp.encode(list(texts))
+
+  def _decode_clean(self, ids):
+    return self.sp.decode(ids)
+
+  def requested_vocab_size(self):
+    """The vocab size asked for at training time (may exceed `vocab_size`)."""
+    try:
+      from sentencepiece import sentencepiece_model_pb2
+    except ImportError:  # protobuf missing: the actual size is the best guess.
+      return self.vocab_size
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(self.sp.serialized_model_proto())
+    return proto.trainer_spec.vocab_size or self.vocab_size
+
+
+class CharTokenizer(Tokenizer):
+  """Characters of a fixed sorted vocabulary; char i has id i + 3."""
+
+  def __init__(self, chars):
+    self.chars = "".join(sorted(set(chars)))
+    self.vocab_size = NUM_SPECIALS + len(self.chars)
+    self._ids = {c: i + NUM_SPECIALS for i, c in enumerate(self.chars)}
+    # Code point -> id table so whole books encode with one numpy gather.
+    self._table = np.full(max(map(ord, self.chars), default=0) + 1, -1,
+                          np.int32)
+    for c, i in self._ids.items():
+      self._table[ord(c)] = i
+
+  @classmethod
+  def train(cls, texts):
+    """Builds the vocabulary from an iterable of strings."""
+    chars = set()
+    for t in texts:
+      chars.update(t)
+    return cls(chars)
+
+  @classmethod
+  def load(cls, path):
+    """Loads a vocabulary written by `save`."""
+    with open(path, encoding="utf-8") as f:
+      spec = json.load(f)
+    if spec.get("type") != "char":
+      raise UserError(f"{path} is not a char tokenizer file")
+    return cls(spec["chars"])
+
+  def save(self, path):
+    """Writes `{"type": "char", "chars": ...}` as JSON."""
+    _atomic_write(path, json.dumps(
+        {"type": "char", "chars": self.chars}, ensure_ascii=False).encode())
+
+  def encode(self, text):
+    return self.encode_array(text).tolist()
+
+  def encode_array(self, text):
+    """Returns the ids of `text` as an int32 array [len(text)]."""
+    codes = np.frombuffer(text.encode("utf-32-le"), np.uint32)
+    ids = np.where(codes < len(self._table),
+                   self._table[np.minimum(codes, len(self._table) - 1)], -1)
+    if (ids < 0).any():
+      bad = sorted({text[i] for i in np.flatnonzero(ids < 0)[:100]})
+      raise UserError(f"characters {bad!r} are not in the char vocabulary; "
+                      "rebuild the tokenizer on text that contains them")
+    return ids.astype(np.int32)
+
+  def _decode_clean(self, ids):
+    return "".join(self.chars[i - NUM_SPECIALS] for i in ids
+                   if NUM_SPECIALS <= i < self.vocab_size)
+
+
+class ByteTokenizer(Tokenizer):
+  """UTF-8 bytes: byte b has id b + 3; invalid UTF-8 decodes to U+FFFD."""
+
+  vocab_size = NUM_SPECIALS + 256
+  path = "byte"
+
+  def encode(self, text):
+    return [b + NUM_SPECIALS for b in text.encode("utf-8")]
+
+  def _decode_clean(self, ids):
+    return bytes(i - NUM_SPECIALS for i in ids if i >= NUM_SPECIALS).decode(
+        "utf-8", errors="replace")
+
+
+def load_tokenizer(path):
+  """Loads a tokenizer from `path`: `*.model` (spm), `*.json` (char), "byte"."""
+  path = os.fspath(path)
+  if path == "byte":
+    return ByteTokenizer()
+  if not os.path.isfile(path):
+    raise UserError(f"tokenizer file {path} not found")
+  if path.endswith(".json"):
+    return CharTokenizer.load(path)
+  return SentencePieceTokenizer(path)
+
+
+def _is_file_list(texts):
+  return (isinstance(texts, (list, tuple)) and texts and
+          all(isinstance(t, os.PathLike) or
+              (isinstance(t, str) and "\n" not in t and os.path.isfile(t))
+              for t in texts))
+
+
+def _iter_chunks(texts):
+  """Yields whole strings: file contents for paths, else the items."""
+  if _is_file_list(texts):
+    for p in texts:
+      with open(p, encoding="utf-8") as f:
+        yield f.read()
+  else:
+    yield from texts
+
+
+def _atomic_write(path, data):
+  # Write-then-rename so an interrupted run never leaves a truncated file
+  # that a later run would happily "reuse".
+  d = os.path.dirname(os.path.abspath(path))
+  os.makedirs(d, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-")
+  with os.fdopen(fd, "wb") as f:
+    f.write(data)
+  os.replace(tmp, path)
+
+
+def train_sentencepiece(text_iter_or_files, vocab_size, model_path,
+                        model_type="bpe", input_sentence_size=2_000_000,
+                        character_coverage=1.0, num_threads=None):
+  """Trains a joint sentencepiece model and writes it to `model_path`.
+
+  Args:
+    text_iter_or_files: a list of text file paths (one sentence per line;
+      pass both languages for a joint model) or an iterable of strings
+      (strings containing newlines are split into lines).
+    vocab_size: the requested vocabulary size, ids 0..3 = PAD/BOS/EOS/UNK.
+      Small corpora may yield fewer pieces (`hard_vocab_limit=False`).
+    model_path: where the `.model` goes (a `.vocab` is written beside it).
+    model_type: "bpe" or "unigram" (also "char", "word").
+    input_sentence_size: at most this many shuffled sentences are used, which
+      keeps training to minutes on WMT-sized corpora.
+    character_coverage: 1.0 keeps every character (fine for en/de).
+    num_threads: trainer threads (default: all CPUs).
+  Returns:
+    The trained `SentencePieceTokenizer`.
+  """
+  import sentencepiece as spm
+  model_path = os.fspath(model_path)
+  if not model_path.endswith(".model"):
+    raise UserError(f"sentencepiece model path {model_path} must end in .model")
+  kwargs = {}
+  if _is_file_list(text_iter_or_files):
+    kwargs["input"] = [os.fspath(p) for p in text_iter_or_files]
+  else:
+    kwargs["sentence_iterator"] = (
+        line for chunk in text_iter_or_files for line in chunk.split("\n")
+        if line.strip())
+  os.makedirs(os.path.dirname(os.path.abspath(model_path)), exist_ok=True)
+  prefix = os.path.join(os.path.dirname(os.path.abspath(model_path)),
+                        f".tmp-spm-{os.getpid()}")
+  try:
+    spm.SentencePieceTrainer.train(
+        model_prefix=prefix, vocab_size=vocab_size, model_type=model_type,
+        pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID, unk_id=UNK_ID,
+        input_sentence_size=input_sentence_size, shuffle_input_sentence=True,
+        character_coverage=character_coverage, hard_vocab_limit=False,
+        num_threads=num_threads or os.cpu_count() or 1, minloglevel=2,
+        **kwargs)
+  except RuntimeError as e:
+    raise UserError(f"sentencepiece training failed: {e}") from e
+  with open(prefix + ".model", "rb") as f:
+    model = f.read()
+  try:  # Record the *requested* size so a reload can check it (see below).
+    from sentencepiece import sentencepiece_model_pb2
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(model)
+    proto.trainer_spec.vocab_size = vocab_size
+    model = proto.SerializeToString()
+  except ImportError:
+    pass
+  os.replace(prefix + ".vocab", model_path[:-len(".model")] + ".vocab")
+  os.remove(prefix + ".model")
+  _atomic_write(model_path, model)
+  return SentencePieceTokenizer(model_path)
+
+
+def load_or_train_tokenizer(kind, path, texts, vocab_size=None):
+  """Loads the tokenizer at `path`, training it on `texts` on first use.
+
+  Args:
+    kind: "sentencepiece" (= "bpe"), "unigram", "char" or "byte".
+    path: the `.model` (spm) or `.json` (char) file; ignored for "byte".
+    texts: file paths or strings to train on (only read when training).
+    vocab_size: requested size; required for spm. For char/byte it is only
+      checked (their size follows from the data), None skips the check.
+  Returns:
+    A `Tokenizer`.
+  """
+  path = None if path is None else os.fspath(path)
+  if kind == "byte":
+    tok = ByteTokenizer()
+  elif kind == "char":
+    if os.path.isfile(path):
+      tok = CharTokenizer.load(path)
+    else:
+      tok = CharTokenizer.train(_iter_chunks(texts))
+      tok.save(path)
+  elif kind in ("sentencepiece", "bpe", "unigram"):
+    if not vocab_size:
+      raise UserError("a sentencepiece tokenizer needs vocab_size")
+    if not os.path.isfile(path):
+      return train_sentencepiece(
+          texts, vocab_size, path,
+          model_type="unigram" if kind == "unigram" else "bpe")
+    tok = SentencePieceTokenizer(path)
+    if tok.requested_vocab_size() != vocab_size:
+      raise UserError(
+          f"tokenizer {path} has vocab size {tok.requested_vocab_size()} but "
+          f"{vocab_size} was requested; delete it to retrain or fix vocab_size")
+    return tok
+  else:
+    kinds = ("sentencepiece", "unigram", "char", "byte")
+    raise UserError(f"unknown tokenizer kind '{kind}'{closest(kind, kinds)}; "
+                    f"use one of {', '.join(kinds)}")
+  if vocab_size is not None and tok.vocab_size != vocab_size:
+    raise UserError(
+        f"{kind} tokenizer {path} has vocab size {tok.vocab_size} but "
+        f"{vocab_size} was requested; fix vocab_size or delete the file")
+  return tok

@@ -1,0 +1,258 @@
+"""The training loop: one pure, jitted `train_step` for both tasks.
+
+    python train.py --config wmt_base --workdir runs/wmt_base [model.num_layers=2 ...]
+
+The state is a dict {step, params, opt_state, skipped}; the data position is the step
+(batches are pure functions of it) and the dropout key is `fold_in(seed, step)`, so a
+run restarted from a checkpoint continues exactly as if it had never stopped.
+"""
+
+import argparse
+import functools
+import json
+import os
+import signal
+import sys
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxformer import checkpoint as checkpoint_lib
+from jaxformer import config as config_lib
+from jaxformer import metrics as metrics_lib
+from jaxformer import model as model_lib
+from jaxformer import optim
+from jaxformer import sharding
+from jaxformer import tasks
+from jaxformer.errors import UserError, cli
+
+
+def make_train_step(model, task, cfg, tx, schedule):
+  """Returns `train_step(state, batch) -> (state, metrics)`, pure and jittable.
+
+  The batch's leading axis is split into `grad_accum_steps` equal micro-batches whose
+  summed gradients are divided by the total number of target tokens: the update is
+  the same as for one big batch. A step whose loss or gradient is not finite leaves
+  params and optimizer state untouched and is counted in `state["skipped"]`.
+  """
+  accum = cfg.optim.grad_accum_steps
+  base_rng = jax.random.PRNGKey(cfg.train.seed)
+
+  def grads_of(params, batch, rng):
+    def loss_fn(p):
+      loss, nll, weight = task.loss(model, p, batch, {"dropout": rng}, False, cfg.optim.label_smoothing)
+      return loss, (nll, weight)
+    (loss, (nll, weight)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    return grads, loss, nll, weight
+
+  def train_step(state, batch):
+    rng = jax.random.fold_in(base_rng, state["step"])
+    if accum == 1:
+      grads, loss, nll, weight = grads_of(state["params"], batch, rng)
+    else:
+      micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
+
+      def body(carry, xs):
+        i, mb = xs
+        out = grads_of(state["params"], mb, jax.random.fold_in(rng, i))
+        return jax.tree.map(jnp.add, carry, out), None
+
+      zeros = (jax.tree.map(jnp.zeros_like, state["params"]), 0.0, 0.0, 0.0)
+      (grads, loss, nll, weight), _ = jax.lax.scan(body, zeros, (jnp.arange(accum), micro))
+    weight = jnp.maximum(weight, 1.0)
+    grads = jax.tree.map(lambda g: g / weight, grads)
+    grad_norm = optax.global_norm(grads)
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    new_state = {"step": state["step"] + 1, "params": keep(params, state["params"]),
+                 "opt_state": keep(opt_state, state["opt_state"]),
+                 "skipped": state["skipped"] + (~finite).astype(jnp.int32)}
+    metrics = {"loss_sum": loss, "nll_sum": nll, "tokens": weight, "grad_norm": grad_norm,
+               "lr": schedule(state["step"]), "finite": finite}
+    return new_state, metrics
+
+  return train_step
+
+
+def make_eval_step(model, task):
+  """Returns `eval_step(params, batch) -> (loss_sum, nll_sum, tokens)` (no dropout, no smoothing)."""
+  def eval_step(params, batch):
+    return task.loss(model, params, batch, {}, True, 0.0)
+  return eval_step
+
+
+def evaluate(eval_step, params, batches):
+  """Token-weighted mean NLL and perplexity over batches."""
+  total = np.zeros(3)
+  for batch in batches:
+    total += np.asarray(jax.device_get(eval_step(params, batch)), np.float64)
+  nll = total[1] / max(total[2], 1.0)
+  return {"val_nll": nll, "val_ppl": float(np.exp(min(nll, 50.0))), "val_tokens": int(total[2])}
+
+
+def init_state(model, tx, init_inputs, rng):
+  """A fresh train state with boxed (logically named) params, for eval_shape and init."""
+  params = model.init(rng, *init_inputs)["params"]
+  return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params),
+          "skipped": jnp.zeros((), jnp.int32)}
+
+
+class _StopFlag:
+  """SIGTERM/SIGINT set a flag; the loop finishes its step, saves, and exits cleanly."""
+
+  def __init__(self):
+    self.signal = None
+    self._old = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      self._old[sig] = signal.signal(sig, self._handle)
+
+  def _handle(self, signum, frame):
+    if self.signal is not None:  # A second Ctrl-C means "now".
+      raise KeyboardInterrupt
+    self.signal = signal.Signals(signum).name
+
+  def restore(self):
+    for sig, handler in self._old.items():
+      signal.signal(sig, handler)
+
+
+def setup(cfg, workdir, log=print):
+  """Builds mesh, task, model, optimizer and the (restored or fresh) sharded state."""
+  mesh = sharding.make_mesh(cfg.mesh)
+  data_parallel = mesh.shape["data"] * mesh.shape["fsdp"]
+  task = tasks.make_task(cfg, workdir, batch_multiple=data_parallel, log=log)
+  model = model_lib.build_model(cfg.model)
+  tx, schedule = optim.build_optimizer(cfg)
+  example = task.train_batch(0)
+  init_inputs = [jnp.asarray(x[:1]) for x in task.init_inputs(example)]
+  init_fn = functools.partial(init_state, model, tx, init_inputs)
+  rng = jax.random.PRNGKey(cfg.train.seed)
+  abstract = jax.eval_shape(init_fn, rng)
+  state_sharding = sharding.logical_sharding(abstract, mesh)
+  return mesh, task, model, tx, schedule, init_fn, rng, abstract, state_sharding
+
+
+def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
+  """Trains `cfg` in `workdir` (resuming from its latest checkpoint) and returns final metrics."""
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    probe = os.path.join(workdir, ".write-test")
+    open(probe, "w").close()
+    os.remove(probe)
+  except OSError as e:
+    raise UserError(f"cannot write to workdir {workdir}: {e.strerror}") from e
+  is_main = jax.process_index() == 0
+  if is_main:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config_lib.to_json(cfg))
+  mesh, task, model, tx, schedule, init_fn, rng, abstract, state_sharding = setup(cfg, workdir, log)
+  batch_sharding = sharding.batch_sharding(mesh)
+
+  ckpt = checkpoint_lib.Checkpointer(workdir, max_to_keep=cfg.train.keep_checkpoints)
+  abstract_unboxed = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                  nn.unbox(abstract), state_sharding)
+  if ckpt.latest_step() is not None:
+    state, meta = ckpt.restore(abstract_unboxed)
+    log(f"resumed from {ckpt.directory}/{ckpt.latest_step()} (step {int(state['step'])})")
+  else:
+    state = jax.jit(lambda r: nn.unbox(init_fn(r)), out_shardings=state_sharding)(rng)
+  n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
+  log(f"model: {cfg.model.arch}, {n_params:,} parameters; mesh {dict(mesh.shape)}")
+
+  train_step = jax.jit(make_train_step(model, task, cfg, tx, schedule),
+                       in_shardings=(state_sharding, batch_sharding),
+                       out_shardings=(state_sharding, None), donate_argnums=0)
+  eval_step = jax.jit(make_eval_step(model, task),
+                      in_shardings=(state_sharding["params"], batch_sharding))
+  writer = metrics_lib.MetricWriter(workdir, cfg.train.num_steps, enabled=is_main)
+  dev_batches = task.eval_batches("dev", cfg.train.eval_batches) if _has_dev(task) else []
+
+  step = int(state["step"])
+  stop = _StopFlag()
+  pending, tokens_since, t_last = [], 0, time.time()
+  result = {}
+  try:
+    while step < cfg.train.num_steps:
+      batch = task.train_batch(step)
+      tokens_since += task.num_tokens(batch)
+      state, metrics = train_step(state, batch)
+      step += 1
+      pending.append(metrics)
+      last = step == cfg.train.num_steps
+      if step % cfg.train.log_every == 0 or last or stop.signal:
+        summary = _summarize(jax.device_get(pending))
+        pending = []
+        now = time.time()
+        summary["tokens_per_sec"] = tokens_since / max(now - t_last, 1e-9)
+        tokens_since, t_last = 0, now
+        summary["compilations"] = train_step._cache_size()
+        summary["skipped"] = int(state["skipped"])
+        writer.write(step, summary)
+        writer.progress(step, summary)
+        if summary.pop("nonfinite") and cfg.train.nan_policy == "stop":
+          raise UserError(f"non-finite loss or gradient before step {step} (train.nan_policy=stop); "
+                          f"the last good checkpoint is in {ckpt.directory}")
+        result.update(summary)
+      if dev_batches and (step % cfg.train.eval_every == 0 or last):
+        val = evaluate(eval_step, state["params"], dev_batches)
+        writer.write(step, val)
+        log(f"step {step} | val_nll {val['val_nll']:.4f} | val_ppl {val['val_ppl']:.2f}")
+        result.update(val)
+      if step % cfg.train.checkpoint_every == 0 or last or stop.signal:
+        ckpt.save(step, state, {"step": step, "config": cfg.name, "tokenizer": task.tokenizer_path})
+      if stop.signal:
+        ckpt.wait()
+        log(f"{stop.signal} received: saved a checkpoint at step {step} in {ckpt.directory}. "
+            f"Resume with the same command: {' '.join(sys.argv)}")
+        result["interrupted"] = stop.signal
+        break
+  finally:
+    stop.restore()
+    ckpt.close()
+    writer.close()
+  if is_main and os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+    metrics_lib.plot_metrics(os.path.join(workdir, "metrics.jsonl"), os.path.join(workdir, "metrics.png"))
+  result["step"] = step
+  result["state"] = state
+  result["task"] = task
+  result["model"] = model
+  return result
+
+
+def _has_dev(task):
+  return task.name == "lm" or "dev" in getattr(task, "eval", {})
+
+
+def _summarize(metrics_list):
+  """Token-weighted means over the logged steps."""
+  tokens = sum(float(m["tokens"]) for m in metrics_list)
+  return {"loss": sum(float(m["loss_sum"]) for m in metrics_list) / max(tokens, 1.0),
+          "nll": sum(float(m["nll_sum"]) for m in metrics_list) / max(tokens, 1.0),
+          "lr": float(metrics_list[-1]["lr"]),
+          "grad_norm": float(np.mean([m["grad_norm"] for m in metrics_list])),
+          "nonfinite": int(sum(not bool(m["finite"]) for m in metrics_list))}
+
+
+def parse_args(argv):
+  parser = argparse.ArgumentParser(description="Train a jaxformer model.")
+  parser.add_argument("--config", default="default", help="recipe name in configs/ or a path to a .py file")
+  parser.add_argument("--workdir", default=None, help="run directory (default: runs/<config>)")
+  parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.num_layers=2")
+  return parser.parse_args(argv)
+
+
+@cli
+def main(argv):
+  """`python train.py [--config NAME] [--workdir DIR] [key=value ...]`."""
+  args = parse_args(argv)
+  cfg = config_lib.load_config(args.config, args.overrides)
+  workdir = args.workdir or os.path.join("runs", cfg.name)
+  print(f"config {cfg.name} -> {workdir}\n{config_lib.to_json(cfg)}", flush=True)
+  result = train_and_evaluate(cfg, workdir)
+  return result

@@ -1,0 +1,198 @@
+"""Tests for jaxformer.checkpoint."""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxformer import checkpoint
+from jaxformer.errors import UserError
+
+
+def make_state(seed=0, width=4):
+  """A small train state: params, adam state, step, a typed and a raw key."""
+  rng = np.random.default_rng(seed)
+  params = {
+      "dense": {"kernel": jnp.asarray(rng.normal(size=(width, 3)), jnp.float32),
+                "bias": jnp.asarray(rng.normal(size=(3,)), jnp.float32)},
+      "embed": jnp.asarray(rng.normal(size=(5, 2)), jnp.bfloat16),
+  }
+  tx = optax.adam(1e-3)
+  opt_state = tx.init(params)
+  # One update so that mu/nu/count are not all zeros.
+  _, opt_state = tx.update(jax.tree.map(jnp.ones_like, params), opt_state)
+  return {"params": params, "opt_state": opt_state, "step": jnp.int32(seed),
+          "rng": jax.random.key(seed),
+          "np_rng": np.array([seed, 7], np.uint32)}
+
+
+def abstract_of(state):
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state)
+
+
+def assert_bitwise_equal(a, b):
+  a = jax.tree.map(
+      lambda x: jax.random.key_data(x) if jnp.issubdtype(
+          x.dtype, jax.dtypes.prng_key) else x, a)
+  b = jax.tree.map(
+      lambda x: jax.random.key_data(x) if jnp.issubdtype(
+          x.dtype, jax.dtypes.prng_key) else x, b)
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.dtype == y.dtype and x.shape == y.shape
+    assert x.tobytes() == y.tobytes()
+
+
+def test_round_trip_bitwise(tmp_path):
+  state = make_state(1)
+  meta = {"data_position": 123, "config": "tiny", "tokenizer_hash": "ab12"}
+  with checkpoint.Checkpointer(tmp_path) as ckpt:
+    assert ckpt.save(10, state, meta)
+    ckpt.wait()
+    assert ckpt.latest_step() == 10
+  assert os.path.isdir(tmp_path / "checkpoints" / "10")
+  with checkpoint.Checkpointer(tmp_path) as ckpt:
+    restored, restored_meta = ckpt.restore(abstract_of(state))
+  assert restored_meta == meta
+  assert jnp.issubdtype(restored["rng"].dtype, jax.dtypes.prng_key)
+  assert isinstance(restored["params"]["embed"], jax.Array)
+  assert_bitwise_equal(restored, state)
+
+
+def test_max_to_keep_prunes(tmp_path):
+  state = make_state()
+  with checkpoint.Checkpointer(tmp_path, max_to_keep=2) as ckpt:
+    for step in (1, 2, 3, 4):
+      ckpt.save(step, state, {})
+    ckpt.wait()
+    assert ckpt.all_steps() == [3, 4]
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["3", "4"]
+
+
+@pytest.mark.parametrize("suffix", [".orbax-checkpoint-tmp",
+                                    ".orbax-checkpoint-tmp-1712345678"])
+def test_unfinished_save_ignored(tmp_path, suffix):
+  with checkpoint.Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(1, make_state(1), {"step": 1})
+    ckpt.save(2, make_state(2), {"step": 2})
+  # What a process killed mid-save of step 3 leaves on a local disk: the tmp
+  # directory orbax writes into, not yet renamed, without commit_success.txt,
+  # its array files cut short.
+  root = tmp_path / "checkpoints"
+  partial = root / f"3{suffix}"
+  shutil.copytree(root / "2", partial)
+  os.remove(partial / "commit_success.txt")
+  for dirpath, _, files in os.walk(partial / "state"):
+    for name in files:
+      with open(os.path.join(dirpath, name), "r+b") as f:
+        f.truncate(max(os.path.getsize(f.name) // 2, 1))
+  with checkpoint.Checkpointer(tmp_path) as ckpt:
+    assert ckpt.latest_step() == 2
+    state, meta = ckpt.restore(abstract_of(make_state()))
+    assert meta == {"step": 2}
+    assert_bitwise_equal(state, make_state(2))
+    # Saving step 3 again replaces the leftover.
+    ckpt.save(3, make_state(3), {"step": 3})
+    ckpt.wait()
+    assert ckpt.all_steps() == [1, 2, 3]
+
+
+def test_shape_mismatch_names_path(tmp_path):
+  with checkpoint.Checkpointer(tmp_path) as ckpt:
+    ckpt.save(1, make_state(width=4), {})
+    ckpt.wait()
+    with pytest.raises(UserError, match=(
+        r"checkpoint has params/dense/kernel \[4, 3\] but the config builds "
+        r"\[8, 3\]: was it trained with another config\?")):
+      ckpt.restore(abstract_of(make_state(width=8)))
+    with pytest.raises(UserError, match="has no params/extra"):
+      abstract = abstract_of(make_state())
+      abstract["params"]["extra"] = jax.ShapeDtypeStruct((2,), jnp.float32)
+      ckpt.restore(abstract)
+
+
+def test_missing_checkpoint_names_workdir(tmp_path):
+  workdir = tmp_path / "run7"
+  with checkpoint.Checkpointer(workdir) as ckpt:
+    assert ckpt.latest_step() is None
+    with pytest.raises(UserError, match="no checkpoint in .*run7"):
+      ckpt.restore(abstract_of(make_state()))
+    ckpt.save(5, make_state(), {})
+    with pytest.raises(UserError, match=r"step 4 .*available steps: \[5\]"):
+      ckpt.restore(abstract_of(make_state()), step=4)
+
+
+def test_average_and_save_params(tmp_path):
+  states = [make_state(seed) for seed in (1, 2, 3, 4)]
+  with checkpoint.Checkpointer(tmp_path) as ckpt:
+    for step, state in enumerate(states):
+      ckpt.save(step, state, {})
+  abstract = abstract_of(states[0])
+  avg = checkpoint.average_checkpoints(tmp_path, 3, abstract)
+
+  for path_avg, *leaves in zip(
+      jax.tree_util.tree_leaves_with_path(avg),
+      *[jax.tree.leaves(s["params"]) for s in states[1:]]):
+    path, value = path_avg
+    want = np.mean(np.stack([np.asarray(x, np.float32) for x in leaves]), 0)
+    assert value.dtype == leaves[0].dtype, path
+    np.testing.assert_allclose(np.asarray(value, np.float32),
+                               want.astype(leaves[0].dtype).astype(np.float32),
+                               rtol=1e-6, err_msg=str(path))
+
+  with pytest.raises(UserError, match="last 5 checkpoints"):
+    checkpoint.average_checkpoints(tmp_path, 5, abstract)
+
+  out = tmp_path / "averaged"
+  checkpoint.save_params(out, avg, step=3, meta={"averaged": [1, 2, 3]})
+  with checkpoint.Checkpointer(out) as ckpt:
+    params, meta = ckpt.restore_params(abstract["params"])
+  assert meta == {"averaged": [1, 2, 3]}
+  assert_bitwise_equal(params, avg)
+  # restore_params also reads training checkpoints (skipping the optimizer).
+  with checkpoint.Checkpointer(tmp_path) as ckpt:
+    params, _ = ckpt.restore_params(abstract["params"], step=2)
+  assert_bitwise_equal(params, states[2]["params"])
+
+
+_SHARDED = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jaxformer import checkpoint
+    assert jax.device_count() == 4, jax.devices()
+    mesh = jax.make_mesh((2, 2), ("data", "model"))
+    x = jnp.arange(64, dtype=jnp.float32).reshape(8, 8)
+    state = {"params": {"w": jax.device_put(x, NamedSharding(mesh, P("data")))}}
+    with checkpoint.Checkpointer(WORKDIR) as ckpt:
+      ckpt.save(1, state, {})
+      # Restore onto another layout than the one saved.
+      target = NamedSharding(mesh, P(None, "model"))
+      abstract = {"params": {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32,
+                                                       sharding=target)}}
+      restored, _ = ckpt.restore(abstract)
+      w = restored["params"]["w"]
+      assert w.sharding == target, w.sharding
+      np.testing.assert_array_equal(np.asarray(w), np.asarray(x))
+      avg = checkpoint.average_checkpoints(WORKDIR, 1, abstract)
+      assert avg["w"].sharding == target, avg["w"].sharding
+    print("OK")
+""")
+
+
+def test_sharded_restore(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  code = _SHARDED.replace("WORKDIR", repr(str(tmp_path)))
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root,
+                       capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]

@@ -1,0 +1,167 @@
+"""Tests for jaxformer.inspect: parameter counts, FLOPs, KV cache, roofline and the CLI."""
+
+import math
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxformer import inspect
+from jaxformer.config import load_config
+from jaxformer.model import build_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["tiny_encdec", "gpt2_tiny", "llama_tiny"]
+
+
+def _inputs(m, length):
+  ids = jnp.ones((1, length), jnp.int32)
+  return (ids, ids) if m.arch == "encoder_decoder" else (ids,)
+
+
+@pytest.mark.parametrize("name, total", [
+    ("wmt_base", 63_082_496), ("wmt_big", 214_245_376), ("gpt2_small", 124_439_808),
+    ("llama_7b", 6_738_415_616), ("llama3_8b", 8_030_261_248)])
+def test_published_parameter_counts(name, total):
+  counts = inspect.count_parameters(load_config(name))
+  assert counts["total"] == total
+  assert sum(v for k, v in counts.items() if k != "total") == total
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_counts_match_real_init(name):
+  cfg = load_config(name)
+  params = build_model(cfg.model).init(jax.random.key(0), *_inputs(cfg.model, 4))["params"]
+  real = sum(x.size for x in jax.tree.leaves(nn.unbox(params)))
+  counts = inspect.count_parameters(cfg)
+  assert counts["total"] == real
+  assert sum(v for k, v in counts.items() if k != "total") == real
+  assert counts["ffn"] > 0 and counts["attention"] > 0 and counts["norms"] > 0
+
+
+def test_component_split_llama_7b():
+  counts = inspect.count_parameters(load_config("llama_7b"))
+  # Untied: 32000 x 4096 in each of the input table and the output projection.
+  assert counts["embeddings"] == counts["output"] == 32000 * 4096
+  assert counts["attention"] == 32 * 4 * 4096 * 4096
+  assert counts["ffn"] == 32 * 3 * 4096 * 11008
+
+
+def test_kv_cache_bytes():
+  llama = load_config("llama_7b")
+  per_token = inspect.kv_cache_bytes_per_token(llama, "float16")
+  assert per_token == 524_288
+  assert per_token * 4096 == 2 * 2**30 and per_token * 32768 == 16 * 2**30
+  assert inspect.kv_cache_bytes_per_token(load_config("llama3_8b"), "bfloat16") == 131_072
+  assert inspect.kv_cache_bytes_per_token(llama, "float32") == 2 * per_token
+
+
+def test_decode_roofline_llama_7b_a100():
+  # ~13.5 GB of fp16 weights + 1 GiB of KV cache at its 2k context over 2.039 TB/s.
+  a100 = inspect.decode_roofline(load_config("llama_7b"), "float16", batch=1, context=2048)["A100"]
+  assert 6e-3 <= a100["seconds"] <= 7.5e-3
+  assert a100["bound"] == "memory"
+  # A large enough batch becomes compute-bound.
+  big = inspect.decode_roofline(load_config("llama_7b"), "float16", batch=4096, context=16)["A100"]
+  assert big["bound"] == "compute"
+
+
+def _dot_flops(jaxpr):
+  """2 x M x N x K summed over every dot_general in a jaxpr, including nested ones."""
+  total = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      (lhs_contract, _), (lhs_batch, _) = eqn.params["dimension_numbers"]
+      lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+      out = eqn.outvars[0].aval.shape
+      total += 2 * math.prod(out) * math.prod(lhs[d] for d in lhs_contract)
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        if hasattr(sub, "eqns"):
+          total += _dot_flops(sub)
+        elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+          total += _dot_flops(sub.jaxpr)
+  return total
+
+
+def _full_square(cfg, length):
+  """flops_per_token's forward with causal attention over all L keys, as the einsum computes it."""
+  m = cfg.model
+  masked = m.num_layers * (length - (length + 1) / 2)
+  return inspect.flops_per_token(cfg, length)["forward"] + 4 * m.num_heads * m.dim_per_head * masked
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_forward_flops_equal_traced_matmuls(name):
+  # Exact: every matmul of the traced forward pass, counted from its shapes. The einsum
+  # attention computes the masked half of the causal square too, hence _full_square.
+  cfg = load_config(name, ["model.attention_impl=einsum"])
+  length = 16
+  model = build_model(cfg.model)
+  args = _inputs(cfg.model, length)
+  params = model.init(jax.random.key(0), *args)
+  jaxpr = jax.make_jaxpr(lambda p: model.apply(p, *args))(params).jaxpr
+  assert _dot_flops(jaxpr) == _full_square(cfg, length) * length
+
+
+@pytest.mark.parametrize("name", ["tiny_encdec", "llama_tiny"])
+def test_forward_flops_close_to_xla_cost_analysis(name):
+  # XLA also counts softmax, norms and activations; at d_model 256 they stay under 10%.
+  cfg = load_config(name, ["model.attention_impl=einsum", "model.d_model=256", "model.d_ff=1024",
+                           "model.vocab_size=1024"])
+  length = 32
+  model = build_model(cfg.model)
+  args = _inputs(cfg.model, length)
+  params = model.init(jax.random.key(0), *args)
+  cost = jax.jit(lambda p: model.apply(p, *args)).lower(params).compile().cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  xla = cost["flops"] / length
+  assert xla == pytest.approx(_full_square(cfg, length), rel=0.10)
+
+
+def test_flops_formula_by_hand():
+  cfg = load_config("llama_7b")
+  f = inspect.flops_per_token(cfg, 2048, context=4096)
+  matmul = 6_738_415_616 - 32000 * 4096 - 2 * 32 * 4096 - 4096  # no embedding lookup, no norms
+  assert f["forward"] == 2 * matmul + 4 * 32 * 4096 * 32 * (2048 + 1) / 2
+  assert f["train"] == 3 * f["forward"]
+  assert f["decode"] == 2 * matmul + 4 * 32 * 4096 * 32 * 4096
+  # Tied output: the projection is still a matmul, though its weights are the embedding's.
+  gpt2 = inspect.matmul_parameters(load_config("gpt2_small"))
+  assert gpt2["output"] == 50257 * 768
+
+
+def test_peak_flops():
+  assert inspect.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+  assert inspect.peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+  assert inspect.peak_flops("NVIDIA H200") == 989e12
+  assert inspect.peak_flops("TPU v4") == 275e12
+  assert inspect.peak_flops("TPU v5 lite") == 197e12
+  assert inspect.peak_flops("TPU v5") == 459e12
+  assert inspect.peak_flops("TPU v5p") == 459e12
+  assert inspect.peak_flops("TPU v6 lite") == 918e12
+  assert inspect.peak_flops("NVIDIA H100 PCIe") is None
+  assert inspect.peak_flops("cpu") is None
+
+
+def test_cli_llama_7b():
+  out = subprocess.run([sys.executable, "-m", "jaxformer.inspect", "--config", "llama_7b", "--dtype", "float16"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr
+  for text in ("6,738,415,616", "524,288 bytes/token", "2.00 GiB", "16.00 GiB", "memory", "(L+1)/2"):
+    assert text in out.stdout
+  a100 = next(line for line in out.stdout.splitlines() if line.strip().startswith("A100"))
+  assert 6.0 <= float(a100.split()[-2]) <= 7.5
+
+
+def test_cli_unknown_config_exits_2(capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    inspect.main(["--config", "no_such_config"])
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("error: unknown config") and "\n" not in err

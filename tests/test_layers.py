@@ -1,0 +1,331 @@
+"""Tests for jaxformer.layers: attention against numpy, masks, GQA/MQA, dropout, positions."""
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxformer import layers
+from jaxformer.config import ModelConfig, replace
+
+_IMPLS = ("einsum", "xla")
+
+
+def np_attention(q, k, v, mask, bias=None):
+  """Plain numpy softmax(q k^T / sqrt(d_k) + bias) v; k/v heads repeated up to q's heads.
+
+  q [b, t, h, d], k/v [b, s, kvh, d], mask [b, t, s] bool (shared by all heads).
+  """
+  q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+  group = q.shape[2] // k.shape[2]
+  k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+  scores = np.einsum("bthd,bshd->bhts", q, k) / math.sqrt(q.shape[-1])
+  if bias is not None:
+    scores = scores + np.asarray(bias, np.float64)
+  scores = np.where(mask[:, None], scores, -np.inf)
+  with np.errstate(invalid="ignore"):  # fully masked (padding) rows become NaN; callers skip them
+    scores = scores - scores.max(-1, keepdims=True)
+    w = np.exp(scores)
+    w = w / w.sum(-1, keepdims=True)
+  return np.einsum("bhts,bshd->bthd", w, v)
+
+
+def np_mask(segments, causal):
+  """The mask from first principles: same segment, key not padding, (causal) key not later."""
+  segments = np.asarray(segments)
+  b, n = segments.shape
+  mask = np.zeros((b, n, n), bool)
+  for r in range(b):
+    for i in range(n):
+      for j in range(n):
+        mask[r, i, j] = (segments[r, i] == segments[r, j] and segments[r, j] != 0
+                         and (not causal or j <= i))
+  return mask
+
+
+def random_qkv(seed=0, b=2, t=6, h=4, kvh=4, d=8, s=None):
+  rng = np.random.default_rng(seed)
+  s = t if s is None else s
+  q = rng.normal(size=(b, t, h, d)).astype(np.float32)
+  k = rng.normal(size=(b, s, kvh, d)).astype(np.float32)
+  v = rng.normal(size=(b, s, kvh, d)).astype(np.float32)
+  return q, k, v
+
+
+# Row 0: padding at the end; row 1: two packed sequences then padding.
+SEGMENTS = np.array([[1, 1, 1, 1, 0, 0], [1, 1, 1, 2, 2, 0]], np.int32)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_make_attention_mask(causal):
+  seg = jnp.asarray(SEGMENTS)
+  slots = jnp.arange(seg.shape[1]) if causal else None
+  mask = layers.make_attention_mask(seg, seg, slots, slots)
+  assert mask.shape == (2, 1, 6, 6) and mask.dtype == jnp.bool_
+  np.testing.assert_array_equal(np.asarray(mask[:, 0]), np_mask(SEGMENTS, causal))
+
+
+@pytest.mark.parametrize("impl", _IMPLS)
+@pytest.mark.parametrize("kvh", [4, 2, 1])  # MHA, GQA, MQA
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_matches_numpy(impl, kvh, causal):
+  q, k, v = random_qkv(kvh=kvh)
+  seg = jnp.asarray(SEGMENTS)
+  slots = jnp.arange(6) if causal else None
+  mask = layers.make_attention_mask(seg, seg, slots, slots)
+  out = layers.dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask,
+                                     implementation=impl)
+  assert out.shape == q.shape
+  ref = np_attention(q, k, v, np_mask(SEGMENTS, causal))
+  real = SEGMENTS != 0  # padding queries see nothing: their output is unspecified (but finite)
+  np.testing.assert_allclose(np.asarray(out)[real], ref[real], atol=1e-5, rtol=1e-5)
+  assert np.all(np.isfinite(np.asarray(out)))
+
+
+@pytest.mark.parametrize("impl", _IMPLS)
+def test_attention_with_bias_matches_numpy(impl):
+  q, k, v = random_qkv(seed=1, kvh=2)
+  rng = np.random.default_rng(5)
+  bias = rng.normal(size=(1, 4, 6, 6)).astype(np.float32)
+  seg = jnp.asarray(SEGMENTS)
+  mask = layers.make_attention_mask(seg, seg, jnp.arange(6), jnp.arange(6))
+  out = layers.dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask,
+                                     bias=jnp.asarray(bias), implementation=impl)
+  ref = np_attention(q, k, v, np_mask(SEGMENTS, True), bias)
+  real = SEGMENTS != 0
+  np.testing.assert_allclose(np.asarray(out)[real], ref[real], atol=1e-5, rtol=1e-5)
+
+
+def test_cross_attention_shapes_match_numpy():
+  """q_len != kv_len (cross-attention): decoder segments attend to the matching encoder segment."""
+  q, k, v = random_qkv(seed=2, t=3, s=5, kvh=2)
+  q_seg = np.array([[1, 1, 0], [1, 2, 2]], np.int32)
+  kv_seg = np.array([[1, 1, 1, 0, 0], [1, 1, 2, 2, 2]], np.int32)
+  mask = layers.make_attention_mask(jnp.asarray(q_seg), jnp.asarray(kv_seg))
+  out = layers.dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask,
+                                     implementation="einsum")
+  ref_mask = (q_seg[:, :, None] == kv_seg[:, None, :]) & (kv_seg[:, None, :] != 0)
+  ref = np_attention(q, k, v, ref_mask)
+  real = q_seg != 0
+  np.testing.assert_allclose(np.asarray(out)[real], ref[real], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", _IMPLS)
+@pytest.mark.parametrize("kvh", [2, 1])
+def test_gqa_equals_mha_with_repeated_kv_heads(impl, kvh):
+  q, k, v = random_qkv(seed=3, kvh=kvh)
+  seg = jnp.asarray(SEGMENTS)
+  mask = layers.make_attention_mask(seg, seg, jnp.arange(6), jnp.arange(6))
+  grouped = layers.dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask,
+                                         implementation=impl)
+  g = 4 // kvh
+  full = layers.dot_product_attention(jnp.asarray(q), jnp.repeat(jnp.asarray(k), g, axis=2),
+                                      jnp.repeat(jnp.asarray(v), g, axis=2), mask, implementation=impl)
+  np.testing.assert_allclose(np.asarray(grouped), np.asarray(full), atol=1e-6)
+
+
+@pytest.mark.parametrize("kvh", [4, 2, 1])
+def test_xla_path_equals_einsum_path(kvh):
+  q, k, v = random_qkv(seed=4, kvh=kvh)
+  seg = jnp.asarray(SEGMENTS)
+  mask = layers.make_attention_mask(seg, seg, jnp.arange(6), jnp.arange(6))
+  bias = -jnp.asarray(layers.alibi_slopes(4))[None, :, None, None] * jnp.abs(
+      jnp.arange(6)[:, None] - jnp.arange(6)[None, :]).astype(jnp.float32)
+  for b in (None, bias):
+    a = layers.dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask, b,
+                                     implementation="einsum")
+    x = layers.dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask, b,
+                                     implementation="xla")
+    np.testing.assert_allclose(np.asarray(a), np.asarray(x), atol=1e-5)
+
+
+def _weights_probe(b=2, t=6, h=4):
+  """q, k and a one-hot v so that the attention output *is* the attention weights [b, t, h, s]."""
+  q, k, _ = random_qkv(seed=6, b=b, t=t, h=h, kvh=h, d=t)
+  v = np.broadcast_to(np.eye(t, dtype=np.float32)[None, :, None, :], (b, t, h, t))
+  mask = jnp.ones((b, 1, t, t), bool)
+  ref = np_attention(q, k, v, np.ones((b, t, t), bool))
+  return jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask, ref
+
+
+@pytest.mark.parametrize("impl", ["auto", "einsum", "xla"])
+def test_attention_dropout(impl):
+  q, k, v, mask, weights = _weights_probe()
+  rate = 0.5
+  # deterministic=True: no dropout whatever the rate.
+  out = layers.dot_product_attention(q, k, v, mask, dropout_rate=rate, deterministic=True,
+                                     implementation=impl)
+  np.testing.assert_allclose(np.asarray(out), weights, atol=1e-5)
+  # deterministic=False: each weight is either dropped (0) or kept and scaled by 1/(1-rate).
+  n = 1000
+  sample = jax.jit(jax.vmap(lambda key: layers.dot_product_attention(
+      q, k, v, mask, dropout_rate=rate, dropout_rng=key, deterministic=False, implementation=impl)))
+  outs = np.asarray(sample(jax.random.split(jax.random.key(0), n)))
+  kept = ~np.isclose(outs, 0.0, atol=1e-7)
+  expected = np.broadcast_to(weights / (1 - rate), outs.shape)
+  np.testing.assert_allclose(outs[kept], expected[kept], rtol=1e-4, atol=1e-6)
+  dropped = 1.0 - kept.mean()
+  assert 0.47 < dropped < 0.53, dropped
+  assert not np.allclose(outs[0], outs[1])  # different rngs drop different weights
+  # Inverted dropout keeps the expectation: each sample has std = weight here (rate 0.5).
+  assert np.all(np.abs(outs.mean(0) - weights) <= 5 * weights / math.sqrt(n) + 1e-6)
+
+
+def _attention_module(position="none", **overrides):
+  cfg = ModelConfig(d_model=16, num_heads=4, d_ff=32, position=position, dropout_rate=0.0,
+                    vocab_size=11, max_len=16)
+  return layers.Attention(replace(cfg, **overrides))
+
+
+@pytest.mark.parametrize("kvh", [4, 1])
+def test_self_attention_is_permutation_equivariant_without_positions(kvh):
+  module = _attention_module(num_kv_heads=kvh)
+  x = jax.random.normal(jax.random.key(0), (2, 7, 16))
+  seg = jnp.ones((2, 7), jnp.int32)
+  pos = jnp.broadcast_to(jnp.arange(7), (2, 7))
+  params = module.init(jax.random.key(1), x, seg, pos)
+  perm = np.random.default_rng(0).permutation(7)
+  out = module.apply(params, x, seg, pos)
+  out_perm = module.apply(params, x[:, perm], seg, pos)
+  np.testing.assert_allclose(np.asarray(out_perm), np.asarray(out[:, perm]), atol=1e-5)
+  # Sanity: with RoPE the same check fails (positions matter).
+  rope = _attention_module("rope", num_kv_heads=kvh)
+  rp = rope.init(jax.random.key(1), x, seg, pos)
+  assert not np.allclose(np.asarray(rope.apply(rp, x[:, perm], seg, pos)),
+                         np.asarray(rope.apply(rp, x, seg, pos)[:, perm]), atol=1e-3)
+
+
+def test_attention_module_matches_numpy_reference():
+  """The module's projections + attention equal a numpy recomputation from its params."""
+  module = _attention_module(num_kv_heads=2)
+  x = jax.random.normal(jax.random.key(0), (2, 6, 16))
+  seg = jnp.asarray(SEGMENTS)
+  pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
+  params = nn.unbox(module.init(jax.random.key(1), x, seg, pos))["params"]
+  out = np.asarray(module.apply({"params": params}, x, seg, pos))
+  p = jax.tree.map(np.asarray, params)
+  xn = np.asarray(x)
+  proj = lambda name: np.einsum("bld,dhk->blhk", xn, p[name]["kernel"]) + p[name]["bias"]
+  att = np_attention(proj("query"), proj("key"), proj("value"), np_mask(SEGMENTS, False))
+  ref = np.einsum("blhk,hkd->bld", att, p["out"]["kernel"]) + p["out"]["bias"]
+  real = SEGMENTS != 0
+  np.testing.assert_allclose(out[real], ref[real], atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------
+# Positions.
+
+
+def _rope_score(cfg, q, k, m, n):
+  qr = layers.apply_rope(q, jnp.array([[m]]), cfg)
+  kr = layers.apply_rope(k, jnp.array([[n]]), cfg)
+  return float(jnp.sum(qr * kr))
+
+
+@pytest.mark.parametrize("scaling,factor", [("none", 1.0), ("ntk", 4.0), ("yarn", 4.0), ("llama3", 8.0)])
+def test_rope_score_depends_only_on_relative_position(scaling, factor):
+  cfg = ModelConfig(d_model=64, num_heads=4, position="rope", rope_scaling=scaling,
+                    rope_scaling_factor=factor, rope_original_max_len=64)
+  d = cfg.dim_per_head
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.normal(size=(1, 1, 1, d)), jnp.float32)
+  k = jnp.asarray(rng.normal(size=(1, 1, 1, d)), jnp.float32)
+  for m, n in [(0, 0), (3, 1), (7, 2), (1, 5), (20, 20), (50, 13)]:
+    base = _rope_score(cfg, q, k, m - n if m >= n else 0, 0 if m >= n else n - m)
+    for shift in (1, 9, 100):
+      assert _rope_score(cfg, q, k, m + shift, n + shift) == pytest.approx(base, rel=1e-4, abs=1e-4)
+  # And the score does change with the distance (the rotation is not trivial).
+  assert _rope_score(cfg, q, k, 5, 0) != pytest.approx(_rope_score(cfg, q, k, 0, 0), abs=1e-3)
+
+
+def test_rope_scalings_change_frequencies_and_factor_one_is_none():
+  base = ModelConfig(d_model=64, num_heads=4, position="rope", rope_original_max_len=64)
+  ref, ref_scale = layers.rope_frequencies(base)
+  np.testing.assert_allclose(ref, 1.0 / 10000.0 ** (np.arange(0, 16, 2) / 16))
+  assert ref_scale == 1.0
+  x = jax.random.normal(jax.random.key(0), (1, 5, 2, 16))
+  pos = jnp.arange(5)[None] * 13
+  plain = layers.apply_rope(x, pos, base)
+  # Rotation: norms preserved, position 0 is the identity.
+  np.testing.assert_allclose(np.linalg.norm(plain, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(plain[:, 0]), np.asarray(x[:, 0]), atol=1e-6)
+  for scaling in ("ntk", "yarn", "llama3"):
+    one = replace(base, rope_scaling=scaling, rope_scaling_factor=1.0)
+    np.testing.assert_allclose(np.asarray(layers.apply_rope(x, pos, one)), np.asarray(plain), atol=1e-5)
+    scaled = replace(base, rope_scaling=scaling, rope_scaling_factor=4.0)
+    inv, _ = layers.rope_frequencies(scaled)
+    assert np.all(inv <= ref * (1 + 1e-9)) and not np.allclose(inv, ref)
+    assert inv[0] == pytest.approx(ref[0])  # the highest frequency is kept by every scaling
+  # llama3 and yarn divide the lowest frequency by the factor.
+  for scaling in ("yarn", "llama3"):
+    inv, _ = layers.rope_frequencies(replace(base, rope_scaling=scaling, rope_scaling_factor=4.0))
+    assert inv[-1] == pytest.approx(ref[-1] / 4.0)
+  assert layers.rope_frequencies(replace(base, rope_scaling="yarn", rope_scaling_factor=4.0))[1] == \
+      pytest.approx(0.1 * math.log(4.0) + 1.0)
+
+
+def test_sinusoidal_values():
+  pe = np.asarray(layers.sinusoidal(jnp.arange(4)[None], 512))
+  assert pe.shape == (1, 4, 512)
+  np.testing.assert_allclose(pe[0, 1, :2], [0.8415, 0.5403], atol=5e-5)
+  np.testing.assert_allclose(pe[0, 3, :2], [0.1411, -0.9900], atol=5e-5)
+  np.testing.assert_allclose(pe[0, 0, 0::2], 0.0, atol=1e-7)
+  np.testing.assert_allclose(pe[0, 0, 1::2], 1.0, atol=1e-7)
+  # The paper's formula, at a few (pos, i).
+  for pos, i in [(2, 5), (3, 100), (1, 255)]:
+    angle = pos / 10000 ** (2 * i / 512)
+    assert pe[0, pos, 2 * i] == pytest.approx(math.sin(angle), abs=1e-5)
+    assert pe[0, pos, 2 * i + 1] == pytest.approx(math.cos(angle), abs=1e-5)
+  concat = np.asarray(layers.sinusoidal(jnp.arange(4)[None], 512, layout="concat"))
+  assert not np.allclose(concat, pe)
+  np.testing.assert_allclose(concat[0, 1, [0, 256]], [0.8415, 0.5403], atol=5e-5)  # sin half, cos half
+  np.testing.assert_allclose(concat[0, 3, [0, 256]], [0.1411, -0.9900], atol=5e-5)
+  assert concat[0, 1, 1] != pytest.approx(0.5403, abs=1e-3)
+
+
+def test_alibi_slopes():
+  np.testing.assert_allclose(layers.alibi_slopes(8), [2.0 ** -i for i in range(1, 9)], rtol=1e-6)
+  np.testing.assert_allclose(layers.alibi_slopes(4), [2.0 ** -i for i in (2, 4, 6, 8)], rtol=1e-6)
+  # Non-power of two (the paper's rule): the 4-head slopes, then every other 8-head slope.
+  np.testing.assert_allclose(layers.alibi_slopes(6), [2.0 ** -i for i in (2, 4, 6, 8, 1, 3)], rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------
+# FFN and norms.
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "swiglu"])
+def test_feedforward_matches_numpy(activation):
+  cfg = ModelConfig(d_model=8, d_ff=16, activation=activation)
+  ffn = layers.FeedForward(cfg)
+  x = jax.random.normal(jax.random.key(0), (2, 3, 8))
+  params = nn.unbox(ffn.init(jax.random.key(1), x))["params"]
+  out = np.asarray(ffn.apply({"params": params}, x))
+  p = jax.tree.map(np.asarray, params)
+  xn = np.asarray(x, np.float64)
+  if activation == "swiglu":
+    g = xn @ p["wi_gate"]["kernel"] + p["wi_gate"]["bias"]
+    hidden = g / (1 + np.exp(-g)) * (xn @ p["wi_up"]["kernel"] + p["wi_up"]["bias"])
+  else:
+    hid = xn @ p["wi"]["kernel"] + p["wi"]["bias"]
+    hidden = (np.maximum(hid, 0) if activation == "relu" else
+              0.5 * hid * (1 + np.tanh(math.sqrt(2 / math.pi) * (hid + 0.044715 * hid ** 3))))
+  np.testing.assert_allclose(out, hidden @ p["wo"]["kernel"] + p["wo"]["bias"], atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
+def test_norm(kind):
+  cfg = ModelConfig(d_model=8, norm=kind, norm_eps=1e-6)
+  x = jax.random.normal(jax.random.key(0), (2, 3, 8)) * 3 + 1
+  module = layers.norm(cfg)
+  variables = module.init(jax.random.key(1), x)
+  out = np.asarray(module.apply(variables, x))
+  xn = np.asarray(x, np.float64)
+  if kind == "layernorm":
+    ref = (xn - xn.mean(-1, keepdims=True)) / np.sqrt(xn.var(-1, keepdims=True) + 1e-6)
+  else:
+    ref = xn / np.sqrt((xn ** 2).mean(-1, keepdims=True) + 1e-6)
+  np.testing.assert_allclose(out, ref, atol=1e-5)
