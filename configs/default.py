@@ -18,4 +18,5 @@ def get_config():
       "optim.learning_rate": 2.0, "optim.warmup_steps": 200,
       "train.num_steps": 1200, "train.log_every": 100, "train.eval_every": 400,
       "train.checkpoint_every": 400, "train.keep_checkpoints": 3,
+      "train.eval_bleu_sentences": 200, "train.final_eval_split": "test",
       "decode.beam_size": 4, "decode.batch_size": 256})

@@ -125,6 +125,8 @@ class TrainConfig:
   nan_policy: str = "skip"          # skip | stop
   steps_per_call: int = 1           # steps fused into one jitted lax.scan
   sample_every_eval: bool = True    # lm: print a sample at eval time
+  eval_bleu_sentences: int = 0      # translation: greedy BLEU on this many dev sentences at each eval
+  final_eval_split: str = ""        # translation: beam-search BLEU on this split when training ends
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,6 @@ seeded by (seed, step) for the same reason.
 
 import hashlib
 import itertools
-import multiprocessing
 import os
 import tempfile
 
@@ -200,35 +199,26 @@ def _cache_key(tokenizer_path, texts):
   return h.hexdigest()
 
 
-_worker_tokenizer = None
-
-
-def _init_worker(tokenizer_path):
-  global _worker_tokenizer
-  _worker_tokenizer = tokenizer_lib.load_tokenizer(tokenizer_path)
-
-
-def _encode_chunk(lines):
-  ragged = Ragged.from_lists(_worker_tokenizer.encode_batch(lines))
-  return ragged.flat, ragged.lengths
-
-
-def tokenize_corpus(tokenizer_path, texts, cache_path=None, num_proc=1,
-                    chunk_size=10_000):
+def tokenize_corpus(tokenizer_path, texts, cache_path=None, num_proc=-1,
+                    chunk_size=100_000):
   """Tokenizes several line lists in parallel, cached on disk.
 
   The cache is an `.npz` (flat ids + offsets per input) keyed by a hash of
   the tokenizer file's contents and of the inputs (path, size and mtime for
   files; contents for in-memory lists); a hit loads without touching the
   tokenizer.
+  Parallelism uses sentencepiece's C++ threads rather than processes: fork
+  after JAX has started its threads can deadlock, and spawn re-runs the
+  caller's unguarded `__main__`. (Char/byte tokenizers are cheap and run
+  on one thread.)
   Args:
     tokenizer_path: a file for `tokenizer.load_tokenizer` (or "byte").
     texts: list of inputs, each a text file path (one sentence per line) or
       a list of str.
     cache_path: an `.npz` file (rewritten when the key changes), a directory
       (holds `tokens-<key>.npz`), or None for no cache.
-    num_proc: worker processes; 1 tokenizes in this process.
-    chunk_size: lines per task sent to a worker.
+    num_proc: encoder threads, -1 = all cores.
+    chunk_size: lines encoded at a time; bounds the Python-list memory.
   Returns:
     A list of `Ragged`, one per input, without BOS/EOS.
   """
@@ -243,25 +233,15 @@ def tokenize_corpus(tokenizer_path, texts, cache_path=None, num_proc=1,
           return [Ragged(z[f"flat{i}"], z[f"offsets{i}"])
                   for i in range(int(z["n"]))]
 
-  lines = [read_lines(t) if isinstance(t, (str, os.PathLike)) else list(t)
-           for t in texts]
-  chunks = [(i, l[j:j + chunk_size])
-            for i, l in enumerate(lines) for j in range(0, len(l), chunk_size)]
-  if num_proc > 1 and len(chunks) > 1:
-    # spawn, not fork: forking a process that has started JAX's threads can
-    # deadlock.
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(min(num_proc, len(chunks)), _init_worker,
-                  (tokenizer_path,)) as pool:
-      results = pool.map(_encode_chunk, [c for _, c in chunks], chunksize=1)
-  else:
-    _init_worker(tokenizer_path)
-    results = [_encode_chunk(c) for _, c in chunks]
+  tok = tokenizer_lib.load_tokenizer(tokenizer_path)
   out = []
-  for i in range(len(lines)):
-    parts = [r for (k, _), r in zip(chunks, results) if k == i]
-    flat = np.concatenate([f for f, _ in parts] or [np.zeros(0, np.int32)])
-    lengths = np.concatenate([l for _, l in parts] or [np.zeros(0, np.int64)])
+  for t in texts:
+    lines = read_lines(t) if isinstance(t, (str, os.PathLike)) else list(t)
+    parts = [Ragged.from_lists(tok.encode_batch(lines[i:i + chunk_size],
+                                                num_threads=num_proc))
+             for i in range(0, len(lines), chunk_size)]
+    flat = np.concatenate([r.flat for r in parts] or [np.zeros(0, np.int32)])
+    lengths = np.concatenate([r.lengths for r in parts] or [np.zeros(0, int)])
     out.append(Ragged(flat, np.concatenate([[0], np.cumsum(lengths)])))
 
   if cache_path is not None:

@@ -27,15 +27,15 @@ _DE_TENS = ("", "", "zwanzig", "dreißig", "vierzig", "fünfzig", "sechzig",
 # (English, German) with "{}" for the number. Every noun phrase is plural and
 # the numbers exclude 1 and x01 (see `template_numbers`), so German never
 # needs an inflected "ein/eine/einen". Adjectives take the strong plural "-e".
-TEMPLATES = (
-    ("i see {} red cars .", "ich sehe {} rote autos ."),
-    ("we have {} books .", "wir haben {} bücher ."),
-    ("there are {} birds in the tree .", "im baum sind {} vögel ."),
-    ("she bought {} apples .", "sie hat {} äpfel gekauft ."),
-    ("yesterday i saw {} dogs .", "gestern habe ich {} hunde gesehen ."),
-    ("the city has {} big parks .", "die stadt hat {} große parks ."),
-    ("they read {} small books .", "sie lesen {} kleine bücher ."),
-    ("i have {} old friends .", "ich habe {} alte freunde ."),
+TEMPLATES = (  # detokenized and cased, as real test sets are (German nouns capitalised)
+    ("I see {} red cars.", "Ich sehe {} rote Autos."),
+    ("We have {} books.", "Wir haben {} Bücher."),
+    ("There are {} birds in the tree.", "Im Baum sind {} Vögel."),
+    ("She bought {} apples.", "Sie hat {} Äpfel gekauft."),
+    ("Yesterday I saw {} dogs.", "Gestern habe ich {} Hunde gesehen."),
+    ("The city has {} big parks.", "Die Stadt hat {} große Parks."),
+    ("They read {} small books.", "Sie lesen {} kleine Bücher."),
+    ("I have {} old friends.", "Ich habe {} alte Freunde."),
 )
 
 

@@ -162,6 +162,7 @@ class LMTask:
     add_eos = len(train_docs) > 1
     self.train_stream = data_lib.lm_token_stream(train_docs, self.tokenizer, add_eos)
     self.val_stream = data_lib.lm_token_stream(val_docs, self.tokenizer, add_eos)
+    self.val_text = "\n".join(val_docs)
     if d.batch_size % batch_multiple or d.batch_size % cfg.optim.grad_accum_steps:
       raise UserError(f"data.batch_size={d.batch_size} must be a multiple of the data-parallel size "
                       f"({batch_multiple}) and of optim.grad_accum_steps ({cfg.optim.grad_accum_steps})")

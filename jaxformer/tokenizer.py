@@ -36,12 +36,13 @@ class Tokenizer:
     """Returns the ids of `text` (list[int]) without BOS/EOS."""
     raise NotImplementedError
 
-  def encode_batch(self, texts):
+  def encode_batch(self, texts, num_threads=1):
     """Returns `[encode(t) for t in texts]`; subclasses may do it faster."""
+    del num_threads  # Pure-Python tokenizers would only contend for the GIL.
     return [self.encode(t) for t in texts]
 
   def decode(self, ids):
-    """Returns the text of `ids` [len]: stops at the first EOS, drops PAD/BOS."""
+    """Returns the text of ids [len]: stops at the first EOS, drops PAD/BOS."""
     ids = [int(i) for i in ids]
     if EOS_ID in ids:
       ids = ids[:ids.index(EOS_ID)]
@@ -71,9 +72,9 @@ class SentencePieceTokenizer(Tokenizer):
   def encode(self, text):
     return self.sp.encode(text)
 
-  def encode_batch(self, texts):
-    # The C++ side batches (and threads) far faster than a Python loop.
-    return self.sp.encode(list(texts))
+  def encode_batch(self, texts, num_threads=-1):
+    # sentencepiece encodes a list on C++ threads (-1 = all cores).
+    return self.sp.encode(list(texts), num_threads=num_threads)
 
   def _decode_clean(self, ids):
     return self.sp.decode(ids)
@@ -264,8 +265,10 @@ def load_or_train_tokenizer(kind, path, texts, vocab_size=None):
     kind: "sentencepiece" (= "bpe"), "unigram", "char" or "byte".
     path: the `.model` (spm) or `.json` (char) file; ignored for "byte".
     texts: file paths or strings to train on (only read when training).
-    vocab_size: requested size; required for spm. For char/byte it is only
-      checked (their size follows from the data), None skips the check.
+    vocab_size: requested size; required for spm, whose cached model must
+      have been trained with exactly this size. Char/byte sizes follow from
+      the data, so for them it is the model's capacity: only a tokenizer with
+      more ids is an error. None skips the check.
   Returns:
     A `Tokenizer`.
   """
@@ -295,8 +298,8 @@ def load_or_train_tokenizer(kind, path, texts, vocab_size=None):
     kinds = ("sentencepiece", "unigram", "char", "byte")
     raise UserError(f"unknown tokenizer kind '{kind}'{closest(kind, kinds)}; "
                     f"use one of {', '.join(kinds)}")
-  if vocab_size is not None and tok.vocab_size != vocab_size:
+  if vocab_size is not None and tok.vocab_size > vocab_size:
     raise UserError(
-        f"{kind} tokenizer {path} has vocab size {tok.vocab_size} but "
-        f"{vocab_size} was requested; fix vocab_size or delete the file")
+        f"the {kind} tokenizer has {tok.vocab_size} ids but vocab_size is "
+        f"{vocab_size}; set vocab_size >= {tok.vocab_size}")
   return tok

@@ -21,8 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxformer import bleu
 from jaxformer import checkpoint as checkpoint_lib
 from jaxformer import config as config_lib
+from jaxformer import decode
+from jaxformer import evaluate as evaluate_lib
 from jaxformer import metrics as metrics_lib
 from jaxformer import model as model_lib
 from jaxformer import optim
@@ -173,6 +176,7 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
   writer = metrics_lib.MetricWriter(workdir, cfg.train.num_steps, enabled=is_main)
   dev_batches = task.eval_batches("dev", cfg.train.eval_batches) if _has_dev(task) else []
 
+  tokenizer_hash = evaluate_lib.file_sha256(task.tokenizer_path)
   step = int(state["step"])
   stop = _StopFlag()
   pending, tokens_since, t_last = [], 0, time.time()
@@ -201,11 +205,20 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
         result.update(summary)
       if dev_batches and (step % cfg.train.eval_every == 0 or last):
         val = evaluate(eval_step, state["params"], dev_batches)
+        if task.name == "translation" and cfg.train.eval_bleu_sentences:
+          sources, refs = task.splits["dev"]
+          n = cfg.train.eval_bleu_sentences
+          hyps = evaluate_lib.translate(model, state["params"], task.tokenizer, sources[:n], beam_size=1,
+                                        batch_size=cfg.decode.batch_size)
+          val["val_bleu"] = bleu.sacrebleu_scores(hyps, refs[:n])["bleu"]
         writer.write(step, val)
-        log(f"step {step} | val_nll {val['val_nll']:.4f} | val_ppl {val['val_ppl']:.2f}")
+        log(f"step {step} | " + " | ".join(f"{k} {v:.4f}" for k, v in val.items() if k != "val_tokens"))
+        if task.name == "lm" and cfg.train.sample_every_eval:
+          log("sample: " + repr(sample_text(model, state["params"], task.tokenizer, cfg, step)))
         result.update(val)
       if step % cfg.train.checkpoint_every == 0 or last or stop.signal:
-        ckpt.save(step, state, {"step": step, "config": cfg.name, "tokenizer": task.tokenizer_path})
+        ckpt.save(step, state, {"step": step, "config": cfg.name, "tokenizer": task.tokenizer_path,
+                                "tokenizer_sha256": tokenizer_hash})
       if stop.signal:
         ckpt.wait()
         log(f"{stop.signal} received: saved a checkpoint at step {step} in {ckpt.directory}. "
@@ -218,11 +231,32 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
     writer.close()
   if is_main and os.path.exists(os.path.join(workdir, "metrics.jsonl")):
     metrics_lib.plot_metrics(os.path.join(workdir, "metrics.jsonl"), os.path.join(workdir, "metrics.png"))
+  if task.name == "translation" and cfg.train.final_eval_split and "interrupted" not in result:
+    scores, hyps, sources, refs = evaluate_lib.evaluate_translation(
+        cfg, model, state["params"], task.tokenizer, cfg.train.final_eval_split,
+        os.path.join(workdir, f"{cfg.train.final_eval_split}.hyp.txt"), log=lambda *_: None)
+    for src, hyp, ref in list(zip(sources, hyps, refs))[:5]:
+      log(f"  src: {src}\n  hyp: {hyp}\n  ref: {ref}")
+    log(bleu.format_scores(scores))
+    writer_final = metrics_lib.MetricWriter(workdir, cfg.train.num_steps, enabled=is_main)
+    writer_final.write(step, {f"{cfg.train.final_eval_split}_bleu": scores["sacrebleu"]["bleu"]})
+    writer_final.close()
+    result["final_scores"] = scores
   result["step"] = step
   result["state"] = state
   result["task"] = task
   result["model"] = model
   return result
+
+
+def sample_text(model, params, tokenizer, cfg, step, prompt="\n", max_new_tokens=200):
+  """A short sample from a decoder-only model (temperature 0.8, top-k 200, as nanoGPT samples)."""
+  ids = tokenizer.encode(prompt) or [tokenizer.bos_id]
+  if cfg.model.position == "learned":  # the position table bounds the length
+    max_new_tokens = min(max_new_tokens, cfg.model.max_len - len(ids))
+  tokens = decode.generate(model, params, [ids], max_new_tokens, jax.random.PRNGKey(step),
+                           temperature=0.8, top_k=200)
+  return prompt + tokenizer.decode(np.asarray(tokens[0]))
 
 
 def _has_dev(task):

@@ -104,12 +104,16 @@ def test_load_or_train_caches_and_checks_vocab(tmp_path):
 
 def test_char_and_byte_tokenizers(tmp_path):
   path = tmp_path / "chars.json"
-  tok = tokenizer_lib.load_or_train_tokenizer("char", path, ["hello\n", "wörld"])
+  tok = tokenizer_lib.load_or_train_tokenizer("char", path,
+                                              ["hello\n", "wörld"])
   assert tok.vocab_size == 3 + len(set("hello\nwörld"))
   assert tokenizer_lib.load_tokenizer(path).chars == tok.chars
   assert tok.decode(tok.encode("lo\nwö") + [2, 5]) == "lo\nwö"
   with pytest.raises(UserError, match="not in the char vocabulary"):
     tok.encode("xyz")
+  tokenizer_lib.load_or_train_tokenizer("char", path, None, 64)  # Capacity.
+  with pytest.raises(UserError, match="set vocab_size >= 12"):
+    tokenizer_lib.load_or_train_tokenizer("char", path, None, 8)
   byte = tokenizer_lib.ByteTokenizer()
   assert byte.vocab_size == 259
   assert byte.decode([1] + byte.encode("grüße") + [2, 50]) == "grüße"
@@ -162,6 +166,7 @@ def test_tokenize_corpus_parallel_matches_serial(spm_model):
   serial = data.tokenize_corpus(spm_model, [lines], None, num_proc=1)[0]
   parallel = data.tokenize_corpus(spm_model, [lines], None, num_proc=2,
                                   chunk_size=20)[0]
+  assert len(serial) == 50
   np.testing.assert_array_equal(serial.flat, parallel.flat)
   np.testing.assert_array_equal(serial.offsets, parallel.offsets)
 
@@ -219,7 +224,8 @@ def test_batcher_resume_is_exact():
     for k in x:
       np.testing.assert_array_equal(x[k], y[k])
   other = data.Batcher(src, tgt, tokens_per_batch=256, max_len=32, seed=8)
-  assert not np.array_equal(other.batch_at(0)["inputs"], b1.batch_at(0)["inputs"])
+  assert not np.array_equal(other.batch_at(0)["inputs"],
+                            b1.batch_at(0)["inputs"])
 
 
 def test_batch_teacher_forcing_and_segmentation():
@@ -310,3 +316,21 @@ def test_numbers_corpus_and_split():
   (tr_en, tr_de), (te_en, te_de) = synthetic.split_train_test(en, de, 0.1)
   train, test = set(zip(tr_en, tr_de)), set(zip(te_en, te_de))
   assert test and not train & test and train | test == set(zip(en, de))
+
+
+def test_load_translation_hub_mapping(monkeypatch):
+  datasets = pytest.importorskip("datasets")
+  calls = []
+
+  def fake_load_dataset(name, config, split):
+    calls.append((name, config, split))
+    return datasets.Dataset.from_dict({"translation": [
+        {"de": "hallo", "en": "hello"}, {"de": "welt", "en": "world"}]})
+
+  monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+  src, tgt = data.load_translation("hf:wmt14", "validation", "en", "de",
+                                   max_examples=2)
+  assert calls == [("wmt14", "de-en", "validation[:2]")]
+  assert (src, tgt) == (["hello", "world"], ["hallo", "welt"])
+  with pytest.raises(UserError, match="not fr and de"):
+    data.load_translation("hf:wmt14", "test", "fr", "de")

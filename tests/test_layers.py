@@ -14,6 +14,25 @@ from jaxformer.config import ModelConfig, replace
 _IMPLS = ("einsum", "xla")
 
 
+def key(seed):
+  """RBG keys: their random bits compile far faster on CPU than threefry's."""
+  return jax.random.key(seed, impl="rbg")
+
+
+# Tiny programs: compile once per signature (not op by op), spending little time optimising.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+attend = jax.jit(layers.dot_product_attention, compiler_options=FAST_COMPILE,
+                 static_argnames=("dropout_rate", "deterministic", "implementation"))
+
+
+def init(module, *args):
+  return jax.jit(module.init, compiler_options=FAST_COMPILE)(key(1), *args)
+
+
+def run(module, variables, *args):
+  return jax.jit(module.apply, compiler_options=FAST_COMPILE)(variables, *args)
+
+
 def np_attention(q, k, v, mask, bias=None):
   """Plain numpy softmax(q k^T / sqrt(d_k) + bias) v; k/v heads repeated up to q's heads.
 
@@ -76,8 +95,8 @@ def test_attention_matches_numpy(impl, kvh, causal):
   seg = jnp.asarray(SEGMENTS)
   slots = jnp.arange(6) if causal else None
   mask = layers.make_attention_mask(seg, seg, slots, slots)
-  out = layers.dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask,
-                                     implementation=impl)
+  out = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask,
+               implementation=impl)
   assert out.shape == q.shape
   ref = np_attention(q, k, v, np_mask(SEGMENTS, causal))
   real = SEGMENTS != 0  # padding queries see nothing: their output is unspecified (but finite)
@@ -92,8 +111,8 @@ def test_attention_with_bias_matches_numpy(impl):
   bias = rng.normal(size=(1, 4, 6, 6)).astype(np.float32)
   seg = jnp.asarray(SEGMENTS)
   mask = layers.make_attention_mask(seg, seg, jnp.arange(6), jnp.arange(6))
-  out = layers.dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask,
-                                     bias=jnp.asarray(bias), implementation=impl)
+  out = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask,
+               bias=jnp.asarray(bias), implementation=impl)
   ref = np_attention(q, k, v, np_mask(SEGMENTS, True), bias)
   real = SEGMENTS != 0
   np.testing.assert_allclose(np.asarray(out)[real], ref[real], atol=1e-5, rtol=1e-5)
@@ -105,8 +124,8 @@ def test_cross_attention_shapes_match_numpy():
   q_seg = np.array([[1, 1, 0], [1, 2, 2]], np.int32)
   kv_seg = np.array([[1, 1, 1, 0, 0], [1, 1, 2, 2, 2]], np.int32)
   mask = layers.make_attention_mask(jnp.asarray(q_seg), jnp.asarray(kv_seg))
-  out = layers.dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask,
-                                     implementation="einsum")
+  out = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask,
+               implementation="einsum")
   ref_mask = (q_seg[:, :, None] == kv_seg[:, None, :]) & (kv_seg[:, None, :] != 0)
   ref = np_attention(q, k, v, ref_mask)
   real = q_seg != 0
@@ -119,11 +138,11 @@ def test_gqa_equals_mha_with_repeated_kv_heads(impl, kvh):
   q, k, v = random_qkv(seed=3, kvh=kvh)
   seg = jnp.asarray(SEGMENTS)
   mask = layers.make_attention_mask(seg, seg, jnp.arange(6), jnp.arange(6))
-  grouped = layers.dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask,
-                                         implementation=impl)
+  grouped = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask,
+                   implementation=impl)
   g = 4 // kvh
-  full = layers.dot_product_attention(jnp.asarray(q), jnp.repeat(jnp.asarray(k), g, axis=2),
-                                      jnp.repeat(jnp.asarray(v), g, axis=2), mask, implementation=impl)
+  full = attend(jnp.asarray(q), jnp.repeat(jnp.asarray(k), g, axis=2),
+                jnp.repeat(jnp.asarray(v), g, axis=2), mask, implementation=impl)
   np.testing.assert_allclose(np.asarray(grouped), np.asarray(full), atol=1e-6)
 
 
@@ -135,10 +154,10 @@ def test_xla_path_equals_einsum_path(kvh):
   bias = -jnp.asarray(layers.alibi_slopes(4))[None, :, None, None] * jnp.abs(
       jnp.arange(6)[:, None] - jnp.arange(6)[None, :]).astype(jnp.float32)
   for b in (None, bias):
-    a = layers.dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask, b,
-                                     implementation="einsum")
-    x = layers.dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask, b,
-                                     implementation="xla")
+    a = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask, b,
+               implementation="einsum")
+    x = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask, b,
+               implementation="xla")
     np.testing.assert_allclose(np.asarray(a), np.asarray(x), atol=1e-5)
 
 
@@ -151,19 +170,27 @@ def _weights_probe(b=2, t=6, h=4):
   return jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask, ref
 
 
-@pytest.mark.parametrize("impl", ["auto", "einsum", "xla"])
-def test_attention_dropout(impl):
+def test_attention_dropout():
   q, k, v, mask, weights = _weights_probe()
   rate = 0.5
-  # deterministic=True: no dropout whatever the rate.
-  out = layers.dot_product_attention(q, k, v, mask, dropout_rate=rate, deterministic=True,
-                                     implementation=impl)
-  np.testing.assert_allclose(np.asarray(out), weights, atol=1e-5)
+  # deterministic=True: no dropout whatever the rate, on every path.
+  for impl in ("auto", "einsum", "xla"):
+    out = attend(q, k, v, mask, dropout_rate=rate, deterministic=True, implementation=impl)
+    np.testing.assert_allclose(np.asarray(out), weights, atol=1e-5)
+  # With dropout on, every implementation runs the one dropout path (same key, same drops).
+  drop_key = key(7)
+  drop = {impl: np.asarray(attend(
+      q, k, v, mask, dropout_rate=rate, dropout_rng=drop_key, deterministic=False, implementation=impl))
+          for impl in ("auto", "einsum", "xla")}
+  assert not np.allclose(drop["einsum"], weights, atol=1e-3)
+  np.testing.assert_allclose(drop["xla"], drop["einsum"], atol=1e-6)
+  np.testing.assert_allclose(drop["auto"], drop["einsum"], atol=1e-6)
   # deterministic=False: each weight is either dropped (0) or kept and scaled by 1/(1-rate).
   n = 1000
-  sample = jax.jit(jax.vmap(lambda key: layers.dot_product_attention(
-      q, k, v, mask, dropout_rate=rate, dropout_rng=key, deterministic=False, implementation=impl)))
-  outs = np.asarray(sample(jax.random.split(jax.random.key(0), n)))
+  sample = jax.jit(jax.vmap(lambda k_: layers.dot_product_attention(
+      q, k, v, mask, dropout_rate=rate, dropout_rng=k_, deterministic=False, implementation="einsum")),
+      compiler_options=FAST_COMPILE)
+  outs = np.asarray(sample(jax.random.split(key(0), n)))
   kept = ~np.isclose(outs, 0.0, atol=1e-7)
   expected = np.broadcast_to(weights / (1 - rate), outs.shape)
   np.testing.assert_allclose(outs[kept], expected[kept], rtol=1e-4, atol=1e-6)
@@ -183,29 +210,29 @@ def _attention_module(position="none", **overrides):
 @pytest.mark.parametrize("kvh", [4, 1])
 def test_self_attention_is_permutation_equivariant_without_positions(kvh):
   module = _attention_module(num_kv_heads=kvh)
-  x = jax.random.normal(jax.random.key(0), (2, 7, 16))
+  x = jax.random.normal(key(0), (2, 7, 16))
   seg = jnp.ones((2, 7), jnp.int32)
   pos = jnp.broadcast_to(jnp.arange(7), (2, 7))
-  params = module.init(jax.random.key(1), x, seg, pos)
+  params = init(module, x, seg, pos)
   perm = np.random.default_rng(0).permutation(7)
-  out = module.apply(params, x, seg, pos)
-  out_perm = module.apply(params, x[:, perm], seg, pos)
+  out = run(module, params, x, seg, pos)
+  out_perm = run(module, params, x[:, perm], seg, pos)
   np.testing.assert_allclose(np.asarray(out_perm), np.asarray(out[:, perm]), atol=1e-5)
   # Sanity: with RoPE the same check fails (positions matter).
   rope = _attention_module("rope", num_kv_heads=kvh)
-  rp = rope.init(jax.random.key(1), x, seg, pos)
-  assert not np.allclose(np.asarray(rope.apply(rp, x[:, perm], seg, pos)),
-                         np.asarray(rope.apply(rp, x, seg, pos)[:, perm]), atol=1e-3)
+  rp = init(rope, x, seg, pos)
+  assert not np.allclose(np.asarray(run(rope, rp, x[:, perm], seg, pos)),
+                         np.asarray(run(rope, rp, x, seg, pos)[:, perm]), atol=1e-3)
 
 
 def test_attention_module_matches_numpy_reference():
   """The module's projections + attention equal a numpy recomputation from its params."""
   module = _attention_module(num_kv_heads=2)
-  x = jax.random.normal(jax.random.key(0), (2, 6, 16))
+  x = jax.random.normal(key(0), (2, 6, 16))
   seg = jnp.asarray(SEGMENTS)
   pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
-  params = nn.unbox(module.init(jax.random.key(1), x, seg, pos))["params"]
-  out = np.asarray(module.apply({"params": params}, x, seg, pos))
+  params = nn.unbox(init(module, x, seg, pos))["params"]
+  out = np.asarray(run(module, {"params": params}, x, seg, pos))
   p = jax.tree.map(np.asarray, params)
   xn = np.asarray(x)
   proj = lambda name: np.einsum("bld,dhk->blhk", xn, p[name]["kernel"]) + p[name]["bias"]
@@ -246,7 +273,7 @@ def test_rope_scalings_change_frequencies_and_factor_one_is_none():
   ref, ref_scale = layers.rope_frequencies(base)
   np.testing.assert_allclose(ref, 1.0 / 10000.0 ** (np.arange(0, 16, 2) / 16))
   assert ref_scale == 1.0
-  x = jax.random.normal(jax.random.key(0), (1, 5, 2, 16))
+  x = jax.random.normal(key(0), (1, 5, 2, 16))
   pos = jnp.arange(5)[None] * 13
   plain = layers.apply_rope(x, pos, base)
   # Rotation: norms preserved, position 0 is the identity.
@@ -301,9 +328,9 @@ def test_alibi_slopes():
 def test_feedforward_matches_numpy(activation):
   cfg = ModelConfig(d_model=8, d_ff=16, activation=activation)
   ffn = layers.FeedForward(cfg)
-  x = jax.random.normal(jax.random.key(0), (2, 3, 8))
-  params = nn.unbox(ffn.init(jax.random.key(1), x))["params"]
-  out = np.asarray(ffn.apply({"params": params}, x))
+  x = jax.random.normal(key(0), (2, 3, 8))
+  params = nn.unbox(init(ffn, x))["params"]
+  out = np.asarray(run(ffn, {"params": params}, x))
   p = jax.tree.map(np.asarray, params)
   xn = np.asarray(x, np.float64)
   if activation == "swiglu":
@@ -319,10 +346,10 @@ def test_feedforward_matches_numpy(activation):
 @pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
 def test_norm(kind):
   cfg = ModelConfig(d_model=8, norm=kind, norm_eps=1e-6)
-  x = jax.random.normal(jax.random.key(0), (2, 3, 8)) * 3 + 1
+  x = jax.random.normal(key(0), (2, 3, 8)) * 3 + 1
   module = layers.norm(cfg)
-  variables = module.init(jax.random.key(1), x)
-  out = np.asarray(module.apply(variables, x))
+  variables = init(module, x)
+  out = np.asarray(run(module, variables, x))
   xn = np.asarray(x, np.float64)
   if kind == "layernorm":
     ref = (xn - xn.mean(-1, keepdims=True)) / np.sqrt(xn.var(-1, keepdims=True) + 1e-6)

@@ -1,0 +1,227 @@
+"""Evaluation: BLEU for translation, perplexity for language models, checkpoint averaging.
+
+    python eval.py --workdir DIR [--split test] [--average-last K] [--beam 4] [--alpha 0.6]
+    python eval.py --hyp FILE --ref FILE           # score any system output
+    python eval.py --workdir DIR --text FILE       # LM perplexity of a text file
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxformer import bleu
+from jaxformer import checkpoint as checkpoint_lib
+from jaxformer import config as config_lib
+from jaxformer import decode
+from jaxformer import losses
+from jaxformer import model as model_lib
+from jaxformer import tasks
+from jaxformer import tokenizer as tokenizer_lib
+from jaxformer.errors import UserError, cli
+
+_WIDTHS = (16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)  # few shapes, few compiles
+
+
+def file_sha256(path):
+  """Hash of a tokenizer file, stored in checkpoints so eval can detect a mismatch."""
+  if path == "byte" or not os.path.exists(path):
+    return path
+  with open(path, "rb") as f:
+    return hashlib.sha256(f.read()).hexdigest()
+
+
+def translate(model, params, tokenizer, sources, beam_size=4, alpha=0.6, max_extra_len=50,
+              batch_size=64, log=None):
+  """Translates a list of source strings; beam_size 1 is greedy. Returns detokenized strings.
+
+  Sentences are sorted by length and padded to a few fixed widths, so a whole test set
+  compiles only a handful of times; nothing is truncated (max length = source + 50).
+  """
+  ids = [tokenizer.encode(s) + [tokenizer.eos_id] for s in sources]
+  order = np.argsort([len(x) for x in ids], kind="stable")
+  hyps = [None] * len(ids)
+  start = time.time()
+  for n in range(0, len(order), batch_size):
+    chunk = order[n:n + batch_size]
+    longest = max(len(ids[i]) for i in chunk)
+    width = next((w for w in _WIDTHS if w >= longest), longest)
+    inputs = np.zeros((batch_size, width), np.int32)
+    for row, i in enumerate(chunk):
+      inputs[row, :len(ids[i])] = ids[i]
+    if beam_size == 1:
+      tokens = decode.greedy_translate(model, params, jnp.asarray(inputs), max_extra_len=max_extra_len)
+    else:
+      tokens = decode.beam_search(model, params, jnp.asarray(inputs), beam_size=beam_size, alpha=alpha,
+                                  max_extra_len=max_extra_len)[0][:, 0]
+    tokens = np.asarray(tokens)
+    for row, i in enumerate(chunk):
+      hyps[i] = tokenizer.decode(tokens[row])
+    if log:
+      done = min(n + batch_size, len(order))
+      rate = done / max(time.time() - start, 1e-9)
+      log(f"decoded {done:,}/{len(order):,} sentences ({rate:.1f}/s, eta {(len(order) - done) / rate:.0f}s)")
+  return hyps
+
+
+def abstract_params(cfg):
+  """Parameter shapes of the config's model (nothing allocated)."""
+  model = model_lib.build_model(cfg.model)
+  dummy = jnp.ones((1, 8), jnp.int32)
+  args = (dummy, dummy) if cfg.model.arch == "encoder_decoder" else (dummy,)
+  shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), *args))["params"]
+  return model, nn.unbox(shapes)
+
+
+def load_run(workdir, average_last=0, step=None, log=print):
+  """(cfg, model, params, tokenizer, meta) of a training workdir; averages the last K checkpoints if asked."""
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    raise UserError(f"{workdir} has no config.json: is it a training workdir (train.py --workdir)?")
+  with open(path) as f:
+    cfg = config_lib.from_dict(json.load(f))
+  model, shapes = abstract_params(cfg)
+  ckpt = checkpoint_lib.Checkpointer(workdir, max_to_keep=None, async_save=False)
+  try:
+    if average_last > 1:
+      params = checkpoint_lib.average_checkpoints(workdir, average_last, shapes)
+      steps = ckpt.all_steps()[-average_last:]
+      _, meta = ckpt.restore_params(shapes, step=steps[-1])
+      log(f"averaged the last {average_last} checkpoints: steps {steps}")
+    else:
+      params, meta = ckpt.restore_params(shapes, step=step)
+      log(f"restored step {meta.get('step')} from {ckpt.directory}")
+  finally:
+    ckpt.close()
+  tok_path = tasks.tokenizer_path(cfg, workdir)
+  if tok_path != "byte" and not os.path.exists(tok_path):
+    raise UserError(f"tokenizer {tok_path} is missing: eval needs the tokenizer the model was trained with")
+  if meta.get("tokenizer_sha256") not in (None, file_sha256(tok_path)):
+    raise UserError(f"tokenizer {tok_path} is not the one checkpoint step {meta.get('step')} was trained "
+                    "with (its hash differs): restore the original tokenizer file")
+  tokenizer = tokenizer_lib.load_tokenizer(tok_path)
+  if tokenizer.vocab_size > cfg.model.vocab_size:
+    raise UserError(f"tokenizer {tok_path} has {tokenizer.vocab_size} ids but the model has "
+                    f"{cfg.model.vocab_size}: wrong tokenizer for this checkpoint")
+  return cfg, model, params, tokenizer, meta
+
+
+def evaluate_translation(cfg, model, params, tokenizer, split, out_path=None, beam_size=None, alpha=None,
+                         limit=0, log=print):
+  """Decodes a split, writes the hypotheses, and returns the BLEU scores."""
+  splits = tasks.load_translation_splits(cfg)
+  if split not in splits:
+    raise UserError(f"the config has no {split} split (it has {', '.join(splits)})")
+  sources, refs = splits[split]
+  if limit:
+    sources, refs = sources[:limit], refs[:limit]
+  beam = cfg.decode.beam_size if beam_size is None else beam_size
+  alpha = cfg.decode.alpha if alpha is None else alpha
+  log(f"decoding {len(sources):,} {split} sentences: beam {beam}, alpha {alpha}, "
+      f"max length = source + {cfg.decode.max_extra_len}")
+  hyps = translate(model, params, tokenizer, sources, beam, alpha, cfg.decode.max_extra_len,
+                   cfg.decode.batch_size, log=log)
+  if out_path:
+    with open(out_path, "w", encoding="utf-8") as f:
+      f.write("".join(h + "\n" for h in hyps))
+  scores = {"segments": len(hyps), "sacrebleu": bleu.sacrebleu_scores(hyps, refs),
+            "tokenized": bleu.tokenized_bleu(hyps, refs, compound_split=True)}
+  return scores, hyps, sources, refs
+
+
+def perplexity(model, params, tokenizer, text, block_size, batch_size=8):
+  """NLL of a text under a decoder-only model, in non-overlapping windows of block_size.
+
+  Returns per-token NLL and perplexity, plus the same total normalised per character
+  and per whitespace word (so models with different tokenizers compare) and bits/char.
+  """
+  stream = np.asarray(tokenizer.encode(text), np.int32)
+  n_pred = len(stream) - 1
+  if n_pred < 1:
+    raise UserError("the text has fewer than 2 tokens: nothing to score")
+  windows = -(-n_pred // block_size)
+  rows = -(-windows // batch_size) * batch_size
+  inputs = np.zeros((rows, block_size), np.int32)
+  targets = np.zeros((rows, block_size), np.int32)
+  weights = np.zeros((rows, block_size), np.float32)
+  for w in range(windows):
+    chunk = stream[w * block_size: w * block_size + block_size + 1]
+    inputs[w, :len(chunk) - 1], targets[w, :len(chunk) - 1] = chunk[:-1], chunk[1:]
+    weights[w, :len(chunk) - 1] = 1.0
+
+  @jax.jit
+  def nll_sum(batch_inputs, batch_targets, batch_weights):
+    logits = model.apply({"params": params}, batch_inputs)
+    return losses.cross_entropy(logits, batch_targets, batch_weights)[1]
+
+  total = 0.0
+  for r in range(0, rows, batch_size):
+    total += float(nll_sum(inputs[r:r + batch_size], targets[r:r + batch_size], weights[r:r + batch_size]))
+  n_chars, n_words = max(len(text), 1), max(len(text.split()), 1)
+  return {"tokens": n_pred, "nll_per_token": total / n_pred, "ppl_per_token": float(np.exp(total / n_pred)),
+          "chars": n_chars, "ppl_per_char": float(np.exp(total / n_chars)),
+          "bits_per_char": total / n_chars / np.log(2), "words": n_words,
+          "ppl_per_word": float(np.exp(min(total / n_words, 700.0)))}
+
+
+def format_perplexity(p):
+  return (f"perplexity per token: {p['ppl_per_token']:.3f} (NLL {p['nll_per_token']:.4f} nats over "
+          f"{p['tokens']:,} predicted tokens)\nper character: {p['ppl_per_char']:.4f} "
+          f"({p['bits_per_char']:.4f} bits/char over {p['chars']:,} chars)\nper word: "
+          f"{p['ppl_per_word']:.2f} (same total NLL over {p['words']:,} whitespace-separated words)")
+
+
+def parse_args(argv):
+  parser = argparse.ArgumentParser(description="Evaluate a jaxformer run or score a system output.")
+  parser.add_argument("--workdir", help="training workdir (config.json, tokenizer, checkpoints)")
+  parser.add_argument("--split", default="test", help="dev or test (translation)")
+  parser.add_argument("--average-last", type=int, default=0, help="average the last K checkpoints")
+  parser.add_argument("--save-average", help="save the averaged params as a checkpoint in this directory")
+  parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+  parser.add_argument("--beam", type=int, default=None, help="beam size (1 = greedy)")
+  parser.add_argument("--alpha", type=float, default=None, help="length penalty alpha")
+  parser.add_argument("--limit", type=int, default=0, help="only the first N sentences")
+  parser.add_argument("--out", help="hypothesis file (default: WORKDIR/<split>.hyp.txt)")
+  parser.add_argument("--hyp", help="scoring mode: system output file")
+  parser.add_argument("--ref", help="scoring mode: reference file")
+  parser.add_argument("--text", help="LM: perplexity of this text file")
+  return parser.parse_args(argv)
+
+
+@cli
+def main(argv):
+  """The `eval.py` entry point."""
+  args = parse_args(argv)
+  if args.hyp or args.ref:
+    if not (args.hyp and args.ref):
+      raise UserError("scoring mode needs both --hyp FILE and --ref FILE")
+    print(bleu.format_scores(bleu.score_files(args.hyp, args.ref)))
+    return
+  if not args.workdir:
+    raise UserError("give --workdir DIR (a training run) or --hyp FILE --ref FILE")
+  cfg, model, params, tokenizer, meta = load_run(args.workdir, args.average_last, args.step)
+  if args.save_average:
+    checkpoint_lib.save_params(args.save_average, params, step=int(meta.get("step", 0)), meta=meta)
+    print(f"saved averaged params to {args.save_average}/checkpoints/{meta.get('step', 0)}")
+  if cfg.data.task == "lm":
+    if args.text:
+      text, name = "\n".join(bleu.read_lines(args.text)) + "\n", args.text
+    else:
+      text, name = tasks.LMTask(cfg, args.workdir, log=lambda *_: None).val_text, "the validation split"
+    result = perplexity(model, params, tokenizer, text, cfg.data.block_size)
+    print(f"{name}:\n{format_perplexity(result)}")
+    return result
+  out = args.out or os.path.join(args.workdir, f"{args.split}.hyp.txt")
+  scores, hyps, sources, refs = evaluate_translation(cfg, model, params, tokenizer, args.split, out,
+                                                     args.beam, args.alpha, args.limit)
+  for s, h, r in list(zip(sources, hyps, refs))[:3]:
+    print(f"  src: {s}\n  hyp: {h}\n  ref: {r}")
+  print(f"hypotheses: {out}")
+  print(bleu.format_scores(scores))
+  return scores

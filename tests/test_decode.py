@@ -1,0 +1,220 @@
+"""Tests for jaxformer.decode: beam search, greedy, sampling, prefix caching, all against full forward passes."""
+
+import functools
+import itertools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxformer import decode
+from jaxformer.config import load_config
+from jaxformer.model import EncoderDecoder, build_model
+
+BOS, EOS = decode.BOS_ID, decode.EOS_ID
+
+
+@functools.lru_cache(None)
+def _setup(name, overrides=(), output_std=1.0, seed=0):
+  """A tiny model with random N(0, 0.2) weights drawn in numpy (no init compile; tests share it).
+
+  The output matrix is rescaled to `output_std`: logits get std ~ sqrt(d_model), peaky
+  enough that argmax never hinges on float noise.
+  """
+  cfg = load_config(name, ["model.dropout_rate=0", *overrides]).model
+  model = build_model(cfg)
+  ids = jnp.ones((1, 4), jnp.int32)
+  args = (ids, ids) if cfg.arch == "encoder_decoder" else (ids,)
+  shapes = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), *args))["params"])
+  rng = np.random.default_rng(seed)
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, s: jnp.ones(s.shape) if path[-1].key == "scale"
+      else jnp.asarray(rng.normal(0.0, 0.2, s.shape), jnp.float32), shapes)
+  out = "logits" if not cfg.tie_output else ("decoder_embed" if "decoder_embed" in params else "embed")
+  leaf = "kernel" if out == "logits" else "embedding"
+  params[out] = dict(params[out], **{leaf: params[out][leaf] * output_std / params[out][leaf].std()})
+  return model, params
+
+
+@functools.lru_cache(None)
+def _forward(model):
+  """The full teacher-forced forward pass (no cache), jitted; targets are all real tokens."""
+  if isinstance(model, EncoderDecoder):
+    return jax.jit(lambda p, src, dec: model.apply({"params": p}, src, dec,
+                                                   targets_segmentation=jnp.ones_like(dec)))
+  return jax.jit(lambda p, ids: model.apply({"params": p}, ids))
+
+
+def _pad(rows, width):
+  return np.array([list(r) + [0] * (width - len(r)) for r in rows], np.int32)
+
+
+def _lm_reference(model, params, prompt, n, eos_id=None, width=24):
+  """Greedy by full recomputation of one prompt alone: each step re-runs the whole sequence.
+
+  The sequence is right-padded to a fixed width (one compile); under the causal mask
+  the trailing slots change nothing.
+  """
+  seq = list(prompt)
+  while len(seq) < len(prompt) + n and seq[-1:] != [eos_id]:
+    logits = _forward(model)(params, jnp.asarray(_pad([seq], width)))
+    seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
+  return seq[len(prompt):] + [0] * (len(prompt) + n - len(seq))
+
+
+def _translate_reference(model, params, src, extra, eos_id, width=5):
+  """Greedy translation of one source alone by full teacher-forced passes over the growing target."""
+  dec = [BOS]
+  while len(dec) <= len(src) + extra and dec[-1] != eos_id:
+    logits = _forward(model)(params, jnp.asarray(_pad([src], width)), jnp.asarray(_pad([dec], width + extra)))
+    dec.append(int(jnp.argmax(logits[0, len(dec) - 1])))
+  return dec[1:] + [0] * (width + extra + 1 - len(dec))
+
+
+def _pick_eos(row):
+  """A token the model emits mid-way through `row` (first time late, if possible), to use as EOS."""
+  row = [int(t) for t in row]
+  return next((t for i, t in enumerate(row) if i and t not in row[:i]), row[0])
+
+
+def _stopped_at_eos(row, eos):
+  row = np.asarray(row)
+  first = int(np.argmax(row == eos))
+  return row[first] == eos and first < len(row) - 1 and not row[first + 1:].any()
+
+
+SOURCES = [[5, 9, 12, 7, 3], [8, 4], [30, 31, 32]]
+ENCDECS = {"sinusoidal-mha": ("tiny_encdec", ()),
+           "rope-gqa": ("tiny_encdec", ("model.position=rope", "model.num_kv_heads=2"))}
+
+
+def _translate_setup(name):
+  model, params = _setup(*ENCDECS[name])
+  # An EOS the model emits mid-way through row 0, so per-row stopping is exercised.
+  eos = _pick_eos(_translate_reference(model, params, SOURCES[0], 4, eos_id=-1))
+  return model, params, jnp.asarray(_pad(SOURCES, 5)), eos
+
+
+@pytest.mark.parametrize("name", ENCDECS)
+def test_greedy_translate_matches_full_recompute(name):
+  model, params, inputs, eos = _translate_setup(name)
+  got = np.asarray(decode.greedy_translate(model, params, inputs, max_extra_len=4, eos_id=eos))
+  np.testing.assert_array_equal(got, [_translate_reference(model, params, s, 4, eos) for s in SOURCES])
+  assert _stopped_at_eos(got[0], eos)
+
+
+def test_beam_size_one_equals_greedy():
+  # With alpha = 0 a finished hypothesis beats every longer one, so beam 1 is exactly greedy
+  # (with alpha > 0 beam 1 may rightly go on past a finished hypothesis).
+  model, params, inputs, eos = _translate_setup("rope-gqa")
+  greedy = decode.greedy_translate(model, params, inputs, max_extra_len=4, eos_id=eos)
+  tokens, _ = decode.beam_search(model, params, inputs, beam_size=1, alpha=0.0, max_extra_len=4,
+                                 eos_id=eos)
+  np.testing.assert_array_equal(tokens[:, 0], greedy)
+
+
+def _all_hypotheses(model, params, src, max_len, vocab, alpha, rows=781):
+  """Every hypothesis (ending in EOS, or cut at max_len) and its length-penalised score, no cache."""
+  hyps = [s for n in range(1, max_len + 1) for s in itertools.product(range(vocab), repeat=n)
+          if EOS not in s[:-1] and (s[-1] == EOS or n == max_len)]
+  dec_in = _pad([(BOS,) + s[:-1] for s in hyps] + [()] * (rows - len(hyps)), 4)  # one shape
+  logp = jax.nn.log_softmax(_forward(model)(params, jnp.array([src + [0] * (2 - len(src))] * rows),
+                                            jnp.asarray(dec_in)))[:len(hyps)]
+  lengths = np.array([len(s) for s in hyps])
+  picked = np.take_along_axis(np.asarray(logp), _pad(hyps, 4)[..., None], -1)[..., 0]
+  total = (picked * (np.arange(4)[None] < lengths[:, None])).sum(-1)
+  return hyps, total / decode.length_penalty(lengths, alpha)
+
+
+def test_beam_search_equals_exhaustive_search():
+  vocab, extra, alpha = 6, 2, 0.6
+  model, params = _setup("tiny_encdec", (f"model.vocab_size={vocab}",), output_std=0.5, seed=2)
+  sources = [[3, 4], [5]]                          # at most 4 and 3 target tokens
+  inputs = jnp.asarray(_pad(sources, 2))
+  # 125 = 5^3 beams hold every EOS-free prefix, so this beam search is exhaustive.
+  tokens, scores = decode.beam_search(model, params, inputs, beam_size=125, alpha=alpha,
+                                      max_extra_len=extra)
+  for row, src in enumerate(sources):
+    hyps, want = _all_hypotheses(model, params, src, len(src) + extra, vocab, alpha)
+    order = np.argsort(-want)[:10]
+    assert len(hyps[order[0]]) > 1                 # the length penalty matters here
+    np.testing.assert_array_equal(tokens[row, :10], _pad([hyps[j] for j in order], 2 + extra))
+    np.testing.assert_allclose(scores[row, :10], want[order], rtol=1e-5, atol=1e-5)
+
+
+PROMPTS = [[5, 17, 3], [9, 8, 7, 6, 5, 4, 33], [11]]
+LMS = {"gpt2-learned-mha": ("gpt2_tiny", ()), "llama-rope-gqa": ("llama_tiny", ())}
+
+
+@pytest.mark.parametrize("name", LMS)
+def test_generate_greedy_matches_full_recompute_of_each_prompt_alone(name):
+  model, params = _setup(*LMS[name])
+  n = 8
+  eos = _pick_eos(_lm_reference(model, params, PROMPTS[0], n))
+  want = [_lm_reference(model, params, p, n, eos) for p in PROMPTS]
+  got = decode.generate(model, params, PROMPTS, n, jax.random.key(0), temperature=0, eos_id=eos)
+  np.testing.assert_array_equal(got, want)
+  assert _stopped_at_eos(got[0], eos)
+  # The same batch as a right-padded array with lengths.
+  lengths = [len(p) for p in PROMPTS]
+  padded = decode.generate(model, params, _pad(PROMPTS, 7), n, jax.random.key(0), temperature=0,
+                           eos_id=eos, lengths=lengths)
+  np.testing.assert_array_equal(padded, want)
+
+
+def test_top_k_filter():
+  logits = jnp.array([[1.0, 4.0, 3.0, -2.0, 0.5], [0.0, -1.0, 2.0, 1.0, 3.0]])
+  kept = np.isfinite(np.asarray(decode.top_k_filter(logits, 2)))
+  np.testing.assert_array_equal(kept, [[0, 1, 1, 0, 0], [0, 0, 1, 0, 1]])
+  np.testing.assert_array_equal(decode.top_k_filter(logits, 0), logits)
+  np.testing.assert_array_equal(decode.top_k_filter(logits, 2)[0, 1:3], logits[0, 1:3])
+
+
+def test_top_p_filter_keeps_smallest_set_reaching_p():
+  probs = np.array([0.1, 0.45, 0.05, 0.3, 0.1])       # sorted: 0.45, 0.3, 0.1, 0.1, 0.05
+  logits = jnp.log(jnp.asarray(probs, jnp.float32))[None]
+  mass = np.cumsum(np.asarray(jax.nn.softmax(-jnp.sort(-logits))))  # the filter's own float sums
+
+  def kept(p):
+    return np.flatnonzero(np.isfinite(np.asarray(decode.top_p_filter(logits, p)[0]))).tolist()
+
+  assert kept(0.2) == [1]                               # the top token alone reaches 0.2
+  assert kept(float(mass[1])) == [1, 3]                 # boundary: 0.45 + 0.3 reaches p exactly
+  assert kept(float(mass[1]) - 1e-4) == [1, 3]
+  assert kept(float(mass[1]) + 1e-4) == [0, 1, 3, 4]    # just above: the next level (tied 0.1s)
+  assert kept(1.0) == [0, 1, 2, 3, 4]
+  np.testing.assert_array_equal(decode.top_p_filter(logits, 0.5)[0, 1], logits[0, 1])
+
+
+def test_sampling_temperature_seed_and_filters():
+  model, params = _setup(*LMS["llama-rope-gqa"])
+  n = 8
+  greedy = decode.generate(model, params, PROMPTS, n, jax.random.key(0), temperature=0)
+  for kwargs in [{"temperature": 1e-6}, {"top_k": 1, "top_p": 1e-3}]:
+    got = decode.generate(model, params, PROMPTS, n, jax.random.key(7), **kwargs)
+    np.testing.assert_array_equal(got, greedy, err_msg=str(kwargs))
+  # Hot enough that samples spread out.
+  a = decode.generate(model, params, PROMPTS, n, jax.random.key(1), temperature=20.0)
+  np.testing.assert_array_equal(a, decode.generate(model, params, PROMPTS, n, jax.random.key(1),
+                                                   temperature=20.0))
+  b = decode.generate(model, params, PROMPTS, n, jax.random.key(2), temperature=20.0)
+  assert (np.asarray(a) != np.asarray(b)).any()
+  assert len(np.unique(np.asarray(a))) > 8            # really sampling, not collapsing to argmax
+
+
+@pytest.mark.parametrize("name", LMS)
+def test_prefix_cache_matches_fresh_prefill(name):
+  model, params = _setup(*LMS[name])
+  prefix, n = [20, 21, 22, 23, 24], 6
+  full = [prefix + p for p in PROMPTS]
+  cache = decode.prefill_prefix(model, params, prefix, batch=len(PROMPTS), max_len=5 + 7 + n - 1)
+  logits, _ = decode.prefill(model, params, PROMPTS, cache=cache)
+  # Fresh: the whole prompt alone through the full forward pass, no cache.
+  fresh = [_forward(model)(params, jnp.asarray(_pad([f], 24)))[0, len(f) - 1] for f in full]
+  np.testing.assert_allclose(logits, jnp.stack(fresh), atol=1e-4, rtol=1e-4)
+  got = decode.generate(model, params, PROMPTS, n, jax.random.key(0), temperature=0, prefix_cache=cache)
+  np.testing.assert_array_equal(got, [_lm_reference(model, params, f, n) for f in full])
+  with pytest.raises(ValueError, match="slots"):
+    decode.generate(model, params, PROMPTS, n + 1, jax.random.key(0), prefix_cache=cache)
