@@ -124,6 +124,7 @@ class TrainConfig:
   seed: int = 0
   nan_policy: str = "skip"          # skip | stop
   steps_per_call: int = 1           # steps fused into one jitted lax.scan
+  max_minutes: float = 0.0          # stop (with a checkpoint) after this much training time; 0 = no limit
   sample_every_eval: bool = True    # lm: print a sample at eval time
   eval_bleu_sentences: int = 0      # translation: greedy BLEU on this many dev sentences at each eval
   final_eval_split: str = ""        # translation: beam-search BLEU on this split when training ends
@@ -296,7 +297,7 @@ def from_dict(d):
   sections = {f.name: f.type for f in dataclasses.fields(Config)}
   kwargs = {}
   for key, value in d.items():
-    if isinstance(value, dict):
+    if isinstance(value, dict) and key in sections:  # a removed section is skipped, like a removed field
       cls = typing.get_type_hints(Config)[key]
       known = {f.name for f in dataclasses.fields(cls)}
       kwargs[key] = cls(**{k: v for k, v in value.items() if k in known})

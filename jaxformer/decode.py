@@ -59,7 +59,7 @@ def _translate_step(model, params, cache, encoded, src_segment, ids, index):
   logits, variables = model.apply(
       {"params": params, "cache": cache}, encoded, src_segment, ids,
       targets_segmentation=jnp.ones_like(ids),  # a generated PAD is still a real token
-      targets_position=jnp.full_like(ids, index), decode=True, method="decode", mutable=["cache"])
+      targets_position=jnp.full_like(ids, 0), decode=True, method="decode", mutable=["cache"])
   return jax.nn.log_softmax(logits[:, -1]), variables["cache"]
 
 
@@ -137,10 +137,9 @@ def beam_search(model, params, inputs, beam_size=4, alpha=0.6, max_extra_len=50,
     seqs = _take(s["alive_seqs"], parent).at[:, :, i + 1].set(cand % vocab)
     length = i + 1
     ends = (cand % vocab == eos_id) | (length >= row_max[:, None])
+    # At its limit a row's alive set empties (all -inf), so nothing past the limit can finish.
     alive_logp, keep = jax.lax.top_k(jnp.where(ends, -jnp.inf, cand_logp), k)
-    # Past its limit a row only carries -inf leftovers: they never count as finished.
-    score = jnp.where(ends & (length <= row_max[:, None]),
-                      cand_logp / length_penalty(length, alpha), -jnp.inf)
+    score = jnp.where(ends, cand_logp / length_penalty(length, alpha), -jnp.inf)
     fin_score, fin = jax.lax.top_k(jnp.concatenate([s["fin_score"], score], 1), k)
     return {"i": length, "alive_logp": alive_logp, "alive_seqs": _take(seqs, keep),
             "fin_score": fin_score, "fin_seqs": _take(jnp.concatenate([s["fin_seqs"], seqs], 1), fin),

@@ -180,6 +180,7 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
   step = int(state["step"])
   stop = _StopFlag()
   pending, tokens_since, t_last = [], 0, time.time()
+  deadline = time.time() + 60 * cfg.train.max_minutes if cfg.train.max_minutes else None
   result = {}
   try:
     while step < cfg.train.num_steps:
@@ -188,7 +189,7 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
       state, metrics = train_step(state, batch)
       step += 1
       pending.append(metrics)
-      last = step == cfg.train.num_steps
+      last = step == cfg.train.num_steps or (deadline is not None and time.time() > deadline)
       if step % cfg.train.log_every == 0 or last or stop.signal:
         summary = _summarize(jax.device_get(pending))
         pending = []
@@ -224,6 +225,10 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
         log(f"{stop.signal} received: saved a checkpoint at step {step} in {ckpt.directory}. "
             f"Resume with the same command: {' '.join(sys.argv)}")
         result["interrupted"] = stop.signal
+        break
+      if last:
+        if step < cfg.train.num_steps:
+          log(f"train.max_minutes={cfg.train.max_minutes} reached at step {step}")
         break
   finally:
     stop.restore()

@@ -17,11 +17,12 @@ BOS, EOS = decode.BOS_ID, decode.EOS_ID
 
 
 @functools.lru_cache(None)
-def _setup(name, overrides=(), output_std=1.0, seed=0):
+def _setup(name, overrides=(), logit_scale=5.0, seed=0):
   """A tiny model with random N(0, 0.2) weights drawn in numpy (no init compile; tests share it).
 
-  The output matrix is rescaled to `output_std`: logits get std ~ sqrt(d_model), peaky
-  enough that argmax never hinges on float noise.
+  Token embeddings, positions and hidden states get similar scales, so positions matter.
+  The last norm before the logits is scaled by `logit_scale`: logit std ~ 1.1 * logit_scale,
+  peaky enough that argmax never hinges on float noise.
   """
   cfg = load_config(name, ["model.dropout_rate=0", *overrides]).model
   model = build_model(cfg)
@@ -32,9 +33,9 @@ def _setup(name, overrides=(), output_std=1.0, seed=0):
   params = jax.tree_util.tree_map_with_path(
       lambda path, s: jnp.ones(s.shape) if path[-1].key == "scale"
       else jnp.asarray(rng.normal(0.0, 0.2, s.shape), jnp.float32), shapes)
-  out = "logits" if not cfg.tie_output else ("decoder_embed" if "decoder_embed" in params else "embed")
-  leaf = "kernel" if out == "logits" else "embedding"
-  params[out] = dict(params[out], **{leaf: params[out][leaf] * output_std / params[out][leaf].std()})
+  last = (params["decoder"]["final_norm"] if cfg.norm_position == "pre"
+          else params["decoder"][f"layer_{cfg.num_layers - 1}"]["ffn_norm"])
+  last["scale"] = last["scale"] * logit_scale
   return model, params
 
 
@@ -130,7 +131,7 @@ def _all_hypotheses(model, params, src, max_len, vocab, alpha, rows=781):
 
 def test_beam_search_equals_exhaustive_search():
   vocab, extra, alpha = 6, 2, 0.6
-  model, params = _setup("tiny_encdec", (f"model.vocab_size={vocab}",), output_std=0.5, seed=2)
+  model, params = _setup("tiny_encdec", (f"model.vocab_size={vocab}",), logit_scale=2.0, seed=2)
   sources = [[3, 4], [5]]                          # at most 4 and 3 target tokens
   inputs = jnp.asarray(_pad(sources, 2))
   # 125 = 5^3 beams hold every EOS-free prefix, so this beam search is exhaustive.

@@ -164,6 +164,19 @@ def test_decoder_only_causality_padding_and_packing(name, overrides):
   close(out[3, 3:7], alone_b[:4])
 
 
+def test_xla_attention_implementation_matches_einsum_in_the_model():
+  """attention_impl=xla (jax.nn.dot_product_attention, what GPUs use) gives the einsum path's logits."""
+  name, overrides = LM_CONFIGS[3]  # alibi: the bias goes through both paths too
+  model, params = make(name, **overrides)
+  xla_model, _ = make(name, attention_impl="xla", **overrides)
+  vocab = model.cfg.vocab_size
+  rows = [(tokens(0, 9, vocab), np.array([1] * 5 + [2] * 4), np.r_[np.arange(5), np.arange(4)]),
+          (tokens(1, 6, vocab), np.array([0, 0, 1, 1, 1, 1]), np.r_[[0, 0], np.arange(4)])]
+  ref, out = lm(model, params, rows), lm(xla_model, params, rows)
+  close(out[0], ref[0])
+  close(out[1, 2:6], ref[1, 2:6])
+
+
 @pytest.mark.parametrize("overrides", S2S_CONFIGS)
 def test_encoder_decoder_padding_and_packing(overrides):
   model, params = make("tiny_encdec", **overrides)

@@ -1,0 +1,46 @@
+"""Shared fixtures: a JAX compilation cache and one short tiny_encdec training run."""
+
+import os
+
+import jax
+import pytest
+
+from jaxformer import config as config_lib
+from jaxformer import train
+
+# Overrides that keep tiny_encdec fast: a small synthetic corpus, one bucket shape
+# (so one train-step compile), checkpoints at steps 4 and 8.
+TINY_OVERRIDES = ("data.synthetic_size=2000", "data.max_len=24", "train.num_steps=8",
+                  "train.checkpoint_every=4", "train.log_every=4", "train.eval_every=1000",
+                  "train.eval_batches=1", "train.keep_checkpoints=5")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compilation_cache(tmp_path_factory):
+  """Many tests build the same tiny models under fresh `jax.jit`s: compile each once."""
+  path = str(tmp_path_factory.mktemp("jax_cache"))
+  old = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir",
+                                              "jax_persistent_cache_min_compile_time_secs",
+                                              "jax_persistent_cache_min_entry_size_bytes")}
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = path  # subprocesses share it
+  yield path
+  os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+  for k, v in old.items():
+    jax.config.update(k, v)
+
+
+def tiny_config(*overrides):
+  """tiny_encdec with TINY_OVERRIDES, then `overrides`."""
+  return config_lib.load_config("tiny_encdec", [*TINY_OVERRIDES, *overrides])
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+  """(workdir, cfg, result) of an 8-step tiny_encdec run with checkpoints at 4 and 8."""
+  workdir = str(tmp_path_factory.mktemp("tiny_run"))
+  cfg = tiny_config()
+  result = train.train_and_evaluate(cfg, workdir, log=lambda *a: None)
+  return workdir, cfg, result

@@ -1,0 +1,316 @@
+"""Tests for the training loop: schedule, losses, gradient accumulation, NaN policy, resume."""
+
+import json
+import math
+import os
+import types
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from conftest import tiny_config
+from jaxformer import data as data_lib
+from jaxformer import losses
+from jaxformer import model as model_lib
+from jaxformer import optim
+from jaxformer import tasks
+from jaxformer import train
+from jaxformer.config import load_config
+from jaxformer.errors import UserError
+
+DATA = os.environ.get("JAXFORMER_DATA", os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"))
+
+
+def read_metrics(workdir, key="loss"):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [(r["step"], r[key]) for r in map(json.loads, f) if key in r]
+
+
+# ---------------------------------------------------------------------------
+# Schedules.
+
+
+def test_rsqrt_schedule_matches_the_paper():
+  sched = optim.rsqrt_schedule(512, 4000)
+  paper = lambda step: 512 ** -0.5 * min(step ** -0.5, step * 4000 ** -1.5)  # step counts from 1
+  for count in (0, 1, 999, 3998, 3999, 4000, 15999, 99999):
+    np.testing.assert_allclose(float(sched(count)), paper(count + 1), rtol=1e-6)
+  # The 4000th update (count 3999) gets the peak, 512^-0.5 * 4000^-0.5.
+  np.testing.assert_allclose(float(sched(3999)), 6.98771e-4, rtol=1e-5)
+  counts = np.arange(0, 20000)
+  assert int(np.argmax(np.asarray(sched(counts)))) == 3999
+  # The config path builds the same schedule, with the learning_rate scale.
+  cfg = load_config("wmt_base", ["optim.learning_rate=2"])
+  np.testing.assert_allclose(float(optim.learning_rate_schedule(cfg)(3999)), 2 * paper(4000), rtol=1e-6)
+
+
+def test_optimizer_uses_the_count_from_zero():
+  """Adam's first update has size lr(count=0): the schedule's step 1, not step 0 (lr 0)."""
+  cfg = load_config("wmt_base", ["optim.warmup_steps=10"])
+  tx, sched = optim.build_optimizer(cfg)
+  params = {"w": jnp.zeros(3)}
+  state = tx.init(params)
+  for count in range(3):
+    updates, state = tx.update({"w": jnp.array([1.0, -2.0, 0.5])}, state, params)
+    # With a constant gradient Adam's bias-corrected step is lr * sign(g).
+    np.testing.assert_allclose(np.asarray(updates["w"]), -512 ** -0.5 * (count + 1) * 10 ** -1.5
+                               * np.array([1, -1, 1]), rtol=1e-5)
+  np.testing.assert_allclose(float(sched(0)), 512 ** -0.5 * 10 ** -1.5, rtol=1e-6)
+
+
+def test_cosine_schedule_endpoints():
+  cfg = load_config("gpt2_tiny", ["optim.learning_rate=1e-3", "optim.min_learning_rate=1e-5",
+                                  "optim.warmup_steps=10", "train.num_steps=100"])
+  sched = optim.learning_rate_schedule(cfg)
+  expected = lambda t: (1e-3 * t / 10 if t < 10
+                        else 1e-5 + (1e-3 - 1e-5) * 0.5 * (1 + math.cos(math.pi * (t - 10) / 90)))
+  for t in (0, 5, 10, 20, 55, 99, 100):
+    np.testing.assert_allclose(float(sched(t)), expected(t), rtol=1e-5, atol=1e-12)
+  assert float(sched(0)) == 0.0 and float(sched(500)) == pytest.approx(1e-5)
+
+
+# ---------------------------------------------------------------------------
+# Losses.
+
+
+def np_log_softmax(x):
+  x = x - x.max(-1, keepdims=True)
+  return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_label_smoothed_loss_matches_numpy():
+  rng = np.random.default_rng(0)
+  vocab, eps = 7, 0.1
+  logits = rng.normal(size=(2, 3, vocab)).astype(np.float32) * 3
+  targets = rng.integers(0, vocab, (2, 3))
+  weights = np.array([[1, 1, 0], [1, 0, 0]], np.float32)
+  q = np.full((2, 3, vocab), eps / (vocab - 1))
+  np.put_along_axis(q, targets[..., None], 1 - eps, -1)
+  np.testing.assert_allclose(np.asarray(losses.smoothed_targets(jnp.asarray(targets), vocab, eps)), q, rtol=1e-6)
+  logp = np_log_softmax(logits.astype(np.float64))
+  kl = (q * (np.log(q) - logp)).sum(-1)  # = cross-entropy minus the entropy of q
+  nll = -np.take_along_axis(logp, targets[..., None], -1)[..., 0]
+  loss_sum, nll_sum, weight = losses.cross_entropy(jnp.asarray(logits), jnp.asarray(targets),
+                                                   jnp.asarray(weights), eps)
+  np.testing.assert_allclose(float(loss_sum), (kl * weights).sum(), rtol=1e-5)
+  np.testing.assert_allclose(float(nll_sum), (nll * weights).sum(), rtol=1e-5)
+  assert float(weight) == 3.0
+  # Without smoothing the loss is the NLL.
+  plain = losses.cross_entropy(jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(weights), 0.0)
+  np.testing.assert_allclose(float(plain[0]), (nll * weights).sum(), rtol=1e-5)
+
+
+def test_label_smoothed_loss_is_minimal_at_the_smoothed_distribution():
+  vocab, eps = 5, 0.2
+  targets = jnp.array([[0, 3, 4]])
+  weights = jnp.ones((1, 3))
+  q = np.asarray(losses.smoothed_targets(targets, vocab, eps))
+  loss = lambda logits: losses.cross_entropy(logits, targets, weights, eps)[0]
+  best = jnp.asarray(np.log(q), jnp.float32) + 1.7  # softmax is shift-invariant
+  assert abs(float(loss(best))) < 1e-5
+  np.testing.assert_allclose(np.asarray(jax.grad(loss)(best)), 0.0, atol=1e-5)
+  rng = np.random.default_rng(1)
+  for _ in range(5):
+    assert float(loss(best + jnp.asarray(rng.normal(size=best.shape), jnp.float32))) > 1e-3
+  # The one-hot target is *not* optimal under smoothing.
+  assert float(loss(jax.nn.one_hot(targets, vocab) * 20.0)) > 1.0
+
+
+# ---------------------------------------------------------------------------
+# The train step, on hand-made batches.
+
+
+def translation_batch(src, tgt, max_len=16):
+  """A batch in the data pipeline's format from lists of token ids."""
+  batcher = data_lib.Batcher(src, tgt, tokens_per_batch=len(src) * max_len, max_len=max_len,
+                             shuffle=False, buckets=(max_len,))
+  return batcher.make_batch(np.arange(len(src)))
+
+
+def fresh_state(cfg, tx, batch):
+  model = model_lib.build_model(cfg.model)
+  state = train.init_state(model, tx, (jnp.asarray(batch["inputs"]), jnp.asarray(batch["decoder_inputs"])),
+                           jax.random.PRNGKey(0))
+  return model, nn.unbox(state)
+
+
+TASK = types.SimpleNamespace(loss=tasks.TranslationTask.loss)
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+  rng = np.random.default_rng(0)
+  # Rows of very different lengths: micro-batch 1 has far more target tokens than 2,
+  # so averaging per micro-batch (instead of per token) would give another update.
+  lens = [(9, 12), (11, 14), (3, 1), (2, 2)]
+  src = [list(rng.integers(4, 64, a)) for a, _ in lens]
+  tgt = [list(rng.integers(4, 64, b)) for _, b in lens]
+  batch = translation_batch(src, tgt)
+  tx = optax.sgd(1.0)  # the update is the gradient itself
+  results = {}
+  for accum in (1, 2):
+    cfg = tiny_config(f"optim.grad_accum_steps={accum}")
+    model, state = fresh_state(cfg, tx, batch)
+    step = jax.jit(train.make_train_step(model, TASK, cfg, tx, optim.learning_rate_schedule(cfg)))
+    results[accum] = step(state, batch)
+  # The reference: gradient of the summed smoothed loss over all tokens / token count.
+  params = state["params"]
+  jbatch = jax.tree.map(jnp.asarray, batch)
+  tokens = float(batch["targets_segmentation"].sum())
+  ref_grads = jax.grad(lambda p: TASK.loss(model, p, jbatch, {}, True, cfg.optim.label_smoothing)[0] / tokens)(params)
+  ref_params = jax.tree.map(lambda p, g: p - g, params, ref_grads)
+  assert float(optax.global_norm(ref_grads)) > 1e-2
+  for accum, (new_state, metrics) in results.items():
+    assert float(metrics["tokens"]) == tokens
+    np.testing.assert_allclose(float(metrics["grad_norm"]), float(optax.global_norm(ref_grads)), rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5),
+                 new_state["params"], ref_params)
+  np.testing.assert_allclose(float(results[1][1]["loss_sum"]), float(results[2][1]["loss_sum"]), rtol=1e-5)
+
+
+def test_tiny_encoder_decoder_overfits():
+  rng = np.random.default_rng(1)
+  src = [list(rng.integers(4, 64, rng.integers(3, 7))) for _ in range(8)]
+  tgt = [list(rng.integers(4, 64, rng.integers(3, 7))) for _ in range(8)]
+  batch = translation_batch(src, tgt, max_len=8)
+  cfg = tiny_config("optim.label_smoothing=0")
+  tx = optax.adam(1e-2)
+  model, state = fresh_state(cfg, tx, batch)
+  step = jax.jit(train.make_train_step(model, TASK, cfg, tx, optax.constant_schedule(1e-2)))
+  first = None
+  for _ in range(150):
+    state, metrics = step(state, batch)
+    first = first or float(metrics["nll_sum"] / metrics["tokens"])
+  final = float(metrics["nll_sum"] / metrics["tokens"])
+  assert first > 3.0 and final < 0.05, (first, final)
+  logits = model.apply({"params": state["params"]}, batch["inputs"], batch["decoder_inputs"])
+  mask = batch["targets_segmentation"] > 0
+  np.testing.assert_array_equal(np.asarray(logits.argmax(-1))[mask], batch["targets"][mask])
+
+
+def test_nonfinite_step_is_skipped():
+  rng = np.random.default_rng(2)
+  batch = translation_batch([list(rng.integers(4, 64, 5)) for _ in range(4)],
+                            [list(rng.integers(4, 64, 6)) for _ in range(4)], max_len=8)
+
+  def poisoned_loss(model, params, batch, *args):
+    loss, nll, weight = tasks.TranslationTask.loss(model, params, batch, *args)
+    return loss * batch["scale"], nll * batch["scale"], weight
+
+  cfg = tiny_config()
+  tx = optax.adam(1e-3)
+  model, state = fresh_state(cfg, tx, batch)
+  step = jax.jit(train.make_train_step(model, types.SimpleNamespace(loss=poisoned_loss), cfg, tx,
+                                       optax.constant_schedule(1e-3)))
+  before = jax.device_get(state)
+  state, metrics = step(state, {**batch, "scale": np.float32(np.nan)})
+  assert not bool(metrics["finite"]) and int(state["skipped"]) == 1 and int(state["step"]) == 1
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(state["params"]), before["params"])
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(state["opt_state"]), before["opt_state"])
+  state, metrics = step(state, {**batch, "scale": np.float32(1.0)})
+  assert bool(metrics["finite"]) and int(state["skipped"]) == 1 and int(state["step"]) == 2
+  changed = jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != b)),
+                                         state["params"], before["params"]))
+  assert all(changed)
+
+
+def test_nan_policy_in_the_loop(tiny_run, tmp_path, monkeypatch):
+  """`skip` trains through NaN steps leaving params at init; `stop` raises a UserError."""
+  workdir, _, _ = tiny_run
+  real = losses.cross_entropy
+  monkeypatch.setattr(losses, "cross_entropy", lambda *a: tuple(x * jnp.nan for x in real(*a)[:2]) + real(*a)[2:])
+  tok = f"data.tokenizer_path={workdir}/tokenizer.model"
+  cfg = tiny_config(tok, "train.num_steps=3", "train.log_every=1", "train.nan_policy=skip")
+  result = train.train_and_evaluate(cfg, str(tmp_path / "skip"), log=lambda *a: None)
+  assert result["skipped"] == 3 and result["step"] == 3
+  init_fn, rng = train.setup(cfg, str(tmp_path / "skip"), log=lambda *a: None)[5:7]
+  init_params = nn.unbox(jax.jit(init_fn)(rng))["params"]
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-7),
+               result["state"]["params"], init_params)
+  cfg = tiny_config(tok, "train.num_steps=3", "train.log_every=1", "train.nan_policy=stop")
+  with pytest.raises(UserError, match="non-finite loss or gradient before step 1"):
+    train.train_and_evaluate(cfg, str(tmp_path / "stop"), log=lambda *a: None)
+  assert not os.listdir(tmp_path / "stop" / "checkpoints")
+
+
+# ---------------------------------------------------------------------------
+# Whole runs.
+
+
+def test_resume_continues_exactly(tiny_run, tmp_path):
+  """8 steps in one go == 4 steps, then a new call with num_steps=8 in the same workdir."""
+  workdir_a, cfg_a, result_a = tiny_run
+  workdir_b = str(tmp_path / "b")
+  tok = f"data.tokenizer_path={workdir_a}/tokenizer.model"  # the same tokenizer, not retrained
+  first = train.train_and_evaluate(tiny_config(tok, "train.num_steps=4"), workdir_b, log=lambda *a: None)
+  assert first["step"] == 4
+  logs = []
+  result_b = train.train_and_evaluate(tiny_config(tok, "train.num_steps=8"), workdir_b, log=logs.append)
+  assert any(line.startswith("resumed from") and "(step 4)" in line for line in logs), logs
+  assert result_b["step"] == 8 and int(result_b["state"]["step"]) == 8
+  for a, b in zip(jax.tree.leaves(result_a["state"]), jax.tree.leaves(result_b["state"])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+  # The logged losses of steps 5..8 agree too.
+  np.testing.assert_allclose(read_metrics(workdir_a)[-1][1], read_metrics(workdir_b)[-1][1], rtol=1e-5)
+  # Batches are a pure function of the step: same across tasks and call orders.
+  task_a, task_b = result_a["task"], result_b["task"]
+  fresh = tasks.make_task(cfg_a, workdir_a, log=lambda *a: None)
+  for s in (7, 0, 5, 0, 3, 250):
+    for other in (task_b, fresh):
+      jax.tree.map(np.testing.assert_array_equal, task_a.train_batch(s), other.train_batch(s))
+  assert any(not np.array_equal(task_a.train_batch(0)["inputs"], task_a.train_batch(s)["inputs"])
+             for s in (1, 2))
+
+
+@pytest.mark.slow
+def test_train_cli_on_multi30k_slice(tmp_path, capsys):
+  src = os.path.join(DATA, "multi30k")
+  if not all(os.path.exists(os.path.join(src, f)) for f in ("train.en", "train.de", "val.en", "val.de")):
+    pytest.skip("Multi30k not found in ../shared/data")
+  paths = {}
+  for split, n in (("train", 300), ("val", 50)):
+    for lang in ("en", "de"):
+      with open(os.path.join(src, f"{split}.{lang}"), encoding="utf-8") as f:
+        lines = [next(f) for _ in range(n)]
+      paths[split, lang] = tmp_path / f"{split}.{lang}"
+      paths[split, lang].write_text("".join(lines), encoding="utf-8")
+  workdir = tmp_path / "run"
+  result = train.main(["--config", "multi30k", "--workdir", str(workdir),
+                       f"data.train_src={paths['train', 'en']}", f"data.train_tgt={paths['train', 'de']}",
+                       f"data.dev_src={paths['val', 'en']}", f"data.dev_tgt={paths['val', 'de']}",
+                       "data.test_src=", "data.test_tgt=", "model.vocab_size=500", "model.d_model=32",
+                       "model.num_heads=4", "model.num_layers=1", "model.d_ff=64", "data.max_len=32",
+                       "data.tokens_per_batch=1024", "train.num_steps=3", "train.log_every=1",
+                       "train.eval_batches=1", "train.checkpoint_every=1000", "optim.warmup_steps=2"])
+  out = capsys.readouterr().out
+  assert '"name": "multi30k"' in out and "step 3/3" in out
+  assert result["step"] == 3 and os.listdir(workdir / "checkpoints") == ["3"]
+  losses_logged = [v for _, v in read_metrics(workdir, "nll")]
+  assert len(losses_logged) == 3 and all(np.isfinite(losses_logged))
+  vocab = result["task"].tokenizer.vocab_size
+  assert 100 < vocab <= 500
+  # An untrained model is close to uniform over the model's vocabulary.
+  assert abs(losses_logged[0] - math.log(500)) < 2.0, losses_logged
+  assert np.isfinite(result["val_nll"])
+
+
+@pytest.mark.slow
+def test_tiny_lm_loss_goes_down(tmp_path):
+  rng = np.random.default_rng(0)
+  words = "the cat dog sat on a mat and ran to big red house".split()
+  text = "\n".join(" ".join(rng.choice(words, 8)) + "." for _ in range(400))
+  (tmp_path / "text.txt").write_text(text)
+  cfg = load_config("gpt2_tiny", [f"data.text_path={tmp_path / 'text.txt'}", "train.num_steps=30",
+                                  "train.log_every=1", "train.eval_every=1000", "train.eval_batches=1",
+                                  "train.sample_every_eval=false", "train.checkpoint_every=1000",
+                                  "optim.learning_rate=3e-3"])
+  result = train.train_and_evaluate(cfg, str(tmp_path / "run"), log=lambda *a: None)
+  nll = [v for _, v in read_metrics(str(tmp_path / "run"), "nll")]
+  assert len(nll) == 30
+  # Init: logits ~ 0, so the NLL is about log(vocab).
+  assert abs(np.mean(nll[:2]) - math.log(cfg.model.vocab_size)) < 0.3, nll[:3]
+  assert np.mean(nll[-3:]) < np.mean(nll[:3]) - 1.0, nll
+  assert result["val_nll"] < nll[0] - 0.5
