@@ -13,10 +13,10 @@ def get_config():
   return replace(wmt_base.get_config(), name="default", **{
       "model.vocab_size": 400, "model.d_model": 128, "model.num_heads": 4, "model.num_layers": 2,
       "model.d_ff": 256, "model.dropout_rate": 0.0, "model.max_len": 64,
-      "data.source": "synthetic", "data.synthetic_size": 20000, "data.tokens_per_batch": 2048,
+      "data.source": "synthetic", "data.synthetic_size": 20000, "data.tokens_per_batch": 1024,
       "data.max_len": 48,
-      "optim.learning_rate": 2.0, "optim.warmup_steps": 200,
-      "train.num_steps": 1200, "train.log_every": 100, "train.eval_every": 400,
-      "train.checkpoint_every": 400, "train.keep_checkpoints": 3,
+      "optim.learning_rate": 1.0, "optim.warmup_steps": 200,
+      "train.num_steps": 1000, "train.log_every": 100, "train.eval_every": 500,
+      "train.checkpoint_every": 500, "train.keep_checkpoints": 3,
       "train.eval_bleu_sentences": 200, "train.final_eval_split": "test",
       "decode.beam_size": 4, "decode.batch_size": 256})

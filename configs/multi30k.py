@@ -16,7 +16,7 @@ def get_config():
       "data.train_src": data("multi30k/train.en"), "data.train_tgt": data("multi30k/train.de"),
       "data.dev_src": data("multi30k/val.en"), "data.dev_tgt": data("multi30k/val.de"),
       "data.test_src": data("multi30k/test2016.en"), "data.test_tgt": data("multi30k/test2016.de"),
-      "data.max_len": 96, "data.tokens_per_batch": 4096,
-      "optim.learning_rate": 1.0, "optim.warmup_steps": 1000,
-      "train.num_steps": 8000, "train.log_every": 100, "train.eval_every": 1000,
-      "train.checkpoint_every": 500, "train.keep_checkpoints": 10})
+      "data.max_len": 96, "data.tokens_per_batch": 2048,
+      "optim.learning_rate": 1.0, "optim.warmup_steps": 800,
+      "train.num_steps": 20000, "train.max_minutes": 80, "train.log_every": 100, "train.eval_every": 500,
+      "train.eval_bleu_sentences": 200, "train.checkpoint_every": 250, "train.keep_checkpoints": 10})

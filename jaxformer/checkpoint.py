@@ -69,14 +69,19 @@ def _params_of(tree):
 class Checkpointer:
   """Saves and restores (train state, JSON meta) pairs under a workdir."""
 
-  def __init__(self, workdir, max_to_keep=5, async_save=True):
-    """Opens `<workdir>/checkpoints`; `max_to_keep=None` keeps everything."""
+  def __init__(self, workdir, max_to_keep=5, async_save=True, cleanup_tmp=False):
+    """Opens `<workdir>/checkpoints`; `max_to_keep=None` keeps everything.
+
+    `cleanup_tmp` deletes unfinished saves left by a killed job: only for the job
+    that writes (eval would delete the save a running training job has in flight).
+    """
     self.workdir = os.fspath(workdir)
     self.directory = os.path.join(os.path.abspath(self.workdir), "checkpoints")
     options = ocp.CheckpointManagerOptions(
         # `max_to_keep` is deprecated in this orbax in favour of policies.
         preservation_policy=ocp.checkpoint_managers.LatestN(max_to_keep),
         enable_async_checkpointing=async_save,
+        cleanup_tmp_directories=cleanup_tmp,
     )
     self._mgr = ocp.CheckpointManager(self.directory, options=options)
 

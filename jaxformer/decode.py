@@ -59,7 +59,7 @@ def _translate_step(model, params, cache, encoded, src_segment, ids, index):
   logits, variables = model.apply(
       {"params": params, "cache": cache}, encoded, src_segment, ids,
       targets_segmentation=jnp.ones_like(ids),  # a generated PAD is still a real token
-      targets_position=jnp.full_like(ids, 0), decode=True, method="decode", mutable=["cache"])
+      targets_position=jnp.full_like(ids, index), decode=True, method="decode", mutable=["cache"])
   return jax.nn.log_softmax(logits[:, -1]), variables["cache"]
 
 
@@ -112,11 +112,12 @@ def beam_search(model, params, inputs, beam_size=4, alpha=0.6, max_extra_len=50,
   BOS; PAD after EOS), scores [batch, beam], best first.
 
   Scores follow tensor2tensor: log-prob / length_penalty(len, alpha), where len counts
-  the generated tokens *including* EOS (not BOS). Hypotheses that end (EOS, or reaching
-  row b's limit of source length + max_extra_len tokens, where they are finished as they
-  are) move to a finished set of the `beam_size` best; the alive set keeps the best
-  `beam_size` that did not end. A row stops early once no alive hypothesis can beat its
-  worst finished one. Slots with no hypothesis (tiny vocabularies) score -inf.
+  the generated tokens *including* EOS (not BOS). Each step ranks 2 * beam_size
+  candidates; those that end (EOS, or reaching row b's limit of source length +
+  max_extra_len tokens, where they finish as they are) and rank in the top beam_size
+  join a finished set of the beam_size best; the alive set keeps the best beam_size
+  that did not end. A row stops early once no alive hypothesis can beat its worst
+  finished one. Slots with no hypothesis (tiny vocabularies) score -inf.
   """
   batch, width = inputs.shape
   k, max_len = beam_size, width + max_extra_len
@@ -139,7 +140,10 @@ def beam_search(model, params, inputs, beam_size=4, alpha=0.6, max_extra_len=50,
     ends = (cand % vocab == eos_id) | (length >= row_max[:, None])
     # At its limit a row's alive set empties (all -inf), so nothing past the limit can finish.
     alive_logp, keep = jax.lax.top_k(jnp.where(ends, -jnp.inf, cand_logp), k)
-    score = jnp.where(ends, cand_logp / length_penalty(length, alpha), -jnp.inf)
+    # Only candidates ranked in the top k may finish (as in Hugging Face; t2t lets all 2k):
+    # then beam 1 is exactly greedy when alpha = 0.
+    finishes = ends & (jnp.arange(2 * k) < k)
+    score = jnp.where(finishes, cand_logp / length_penalty(length, alpha), -jnp.inf)
     fin_score, fin = jax.lax.top_k(jnp.concatenate([s["fin_score"], score], 1), k)
     return {"i": length, "alive_logp": alive_logp, "alive_seqs": _take(seqs, keep),
             "fin_score": fin_score, "fin_seqs": _take(jnp.concatenate([s["fin_seqs"], seqs], 1), fin),

@@ -90,7 +90,7 @@ def load_run(workdir, average_last=0, step=None, log=print):
   ckpt = checkpoint_lib.Checkpointer(workdir, max_to_keep=None, async_save=False)
   try:
     if average_last > 1:
-      params = checkpoint_lib.average_checkpoints(workdir, average_last, shapes)
+      params = checkpoint_lib.average_checkpoints(workdir, average_last, {"params": shapes})
       steps = ckpt.all_steps()[-average_last:]
       _, meta = ckpt.restore_params(shapes, step=steps[-1])
       log(f"averaged the last {average_last} checkpoints: steps {steps}")

@@ -19,8 +19,20 @@ from jaxformer.config import ModelConfig
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
+class _Partitioned(nn.LogicallyPartitioned):
+  """LogicallyPartitioned that skips its sharding constraint at the wrong rank.
+
+  DenseGeneral unboxes a kernel at its flattened [fan_in, fan_out] shape before the
+  reshape (also when flax re-checks param shapes inside a jitted step): the final
+  rank's names cannot constrain that, and under a mesh flax would raise.
+  """
+
+  def unbox(self, apply_constraint=True):
+    return super().unbox(apply_constraint and jnp.ndim(self.value) == len(self.names))
+
+
 def _param(init, names):
-  return nn.with_logical_partitioning(init, names)
+  return lambda *args, **kwargs: _Partitioned(init(*args, **kwargs), names)
 
 
 def kernel_init(cfg: ModelConfig):
@@ -33,10 +45,24 @@ def kernel_init(cfg: ModelConfig):
   return nn.initializers.xavier_uniform()
 
 
+class TokenDense(nn.DenseGeneral):
+  """DenseGeneral over trailing `axis` that runs as one 2-D matmul on [tokens, features].
+
+  Same parameters and result; the leading [batch, length] dims are merged first
+  because XLA:CPU computes the kernel gradient of a 3-D dot through transposed
+  copies of the activations (the reshapes themselves are free).
+  """
+
+  def __call__(self, x):
+    n_in = len(self.axis) if isinstance(self.axis, tuple) else 1
+    y = super().__call__(x.reshape(-1, *x.shape[x.ndim - n_in:]))
+    return y.reshape(*x.shape[:x.ndim - n_in], *y.shape[1:])
+
+
 def dense(cfg, features, names, axis=-1, name=None, use_bias=None):
-  """DenseGeneral with logical names on kernel (`names`) and bias (the output names)."""
+  """TokenDense with logical names on kernel (`names`) and bias (the output names)."""
   n_out = len(features) if isinstance(features, tuple) else 1
-  return nn.DenseGeneral(
+  return TokenDense(
       features, axis=axis, use_bias=cfg.use_bias if use_bias is None else use_bias,
       dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.float32, name=name,
       kernel_init=_param(kernel_init(cfg), names),
@@ -61,7 +87,8 @@ class Embed(nn.Module):
 
   def attend(self, x):
     """x [batch, length, d_model] -> logits [batch, length, vocab] (float32)."""
-    return jnp.einsum("bld,vd->blv", x, self.embedding.astype(x.dtype)).astype(jnp.float32)
+    logits = x.reshape(-1, x.shape[-1]) @ self.embedding.astype(x.dtype).T  # 2-D, as in TokenDense
+    return logits.reshape(*x.shape[:-1], -1).astype(jnp.float32)
 
 
 def sinusoidal(positions, d_model, layout="interleaved", max_timescale=10000.0):

@@ -4,7 +4,13 @@ Model code names axes (`batch`, `embed`, `heads`, ...); this table maps them to 
 mesh axes `data`, `fsdp`, `tensor`. FSDP shards parameters and optimizer state over
 `fsdp`; tensor parallelism splits heads and the FFN hidden dimension over `tensor`;
 the batch is split over `data` x `fsdp`.
+
+Parameters get their shardings from `logical_sharding`; activations are pinned by
+`nn.with_logical_constraint` in the model, which binds only while `use_mesh` is
+active when a step is traced.
 """
+
+import contextlib
 
 import flax.linen as nn
 import jax
@@ -71,6 +77,32 @@ def logical_sharding(boxed_tree, mesh: Mesh):
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   """Leading (batch) axis over data x fsdp; everything else replicated."""
   return NamedSharding(mesh, P(("data", "fsdp")))
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh):
+  """Makes `mesh` and RULES current, so `nn.with_logical_constraint` emits real constraints.
+
+  Enter it around calls of jitted steps (it cannot be entered inside `jit`); outside it
+  the constraints are no-ops, which is what decoding with small batches wants.
+  """
+  with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+    yield
+
+
+def global_batch(batch, sharding: NamedSharding):
+  """A global jax.Array from a numpy batch that every process holds in full.
+
+  Each process copies only the rows its own devices hold (on one process, all of
+  them); hosts that are replicas along the batch axis take the same rows.
+  """
+  def one(x):
+    x = np.asarray(x)
+    rows = [idx[0].indices(x.shape[0])[:2]
+            for idx in sharding.addressable_devices_indices_map(x.shape).values()]
+    start, stop = min(r[0] for r in rows), max(r[1] for r in rows)
+    return jax.make_array_from_process_local_data(sharding, x[start:stop], x.shape)
+  return jax.tree.map(one, batch)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -76,8 +76,9 @@ class TranslationTask:
                                    cache_path=os.path.join(workdir, "cache"), num_proc=d.num_proc)
     self.ids = {n: (ids[2 * i], ids[2 * i + 1]) for i, n in enumerate(names)}
     # Gradient accumulation splits each step's batch into equal micro-batches inside
-    # the jitted step, so bucket batch sizes must be multiples of both.
-    multiple = d.batch_multiple * batch_multiple * cfg.optim.grad_accum_steps
+    # the jitted step, so bucket batch sizes must be multiples of both. The lcm (not the
+    # product) with the data-parallel size keeps the global batch the same on 1 or 8 devices.
+    multiple = int(np.lcm(d.batch_multiple, batch_multiple)) * cfg.optim.grad_accum_steps
     kept, counts = data_lib.filter_pairs(*self.ids["train"], d.max_len)
     log(f"train pairs: {counts['kept']:,} kept, {counts['empty']:,} empty and "
         f"{counts['too_long']:,} longer than {d.max_len - 1} tokens dropped")

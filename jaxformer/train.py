@@ -11,6 +11,7 @@ import argparse
 import functools
 import json
 import os
+import shlex
 import signal
 import sys
 import time
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 
 from jaxformer import bleu
 from jaxformer import checkpoint as checkpoint_lib
@@ -129,7 +131,13 @@ def setup(cfg, workdir, log=print):
   """Builds mesh, task, model, optimizer and the (restored or fresh) sharded state."""
   mesh = sharding.make_mesh(cfg.mesh)
   data_parallel = mesh.shape["data"] * mesh.shape["fsdp"]
+  # Multi-host: process 0 trains the tokenizer and fills the data cache before the
+  # others read them (a shared workdir would otherwise see concurrent writes).
+  if jax.process_index() > 0:
+    multihost_utils.sync_global_devices("jaxformer.setup")
   task = tasks.make_task(cfg, workdir, batch_multiple=data_parallel, log=log)
+  if jax.process_count() > 1 and jax.process_index() == 0:
+    multihost_utils.sync_global_devices("jaxformer.setup")
   model = model_lib.build_model(cfg.model)
   tx, schedule = optim.build_optimizer(cfg)
   example = task.train_batch(0)
@@ -145,36 +153,43 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
   """Trains `cfg` in `workdir` (resuming from its latest checkpoint) and returns final metrics."""
   try:
     os.makedirs(workdir, exist_ok=True)
-    probe = os.path.join(workdir, ".write-test")
+    probe = os.path.join(workdir, f".write-test-{jax.process_index()}")
     open(probe, "w").close()
     os.remove(probe)
   except OSError as e:
     raise UserError(f"cannot write to workdir {workdir}: {e.strerror}") from e
   is_main = jax.process_index() == 0
-  if is_main:
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config_lib.to_json(cfg))
+  if not is_main:
+    log = lambda *args, **kwargs: None  # One process speaks for the job.
   mesh, task, model, tx, schedule, init_fn, rng, abstract, state_sharding = setup(cfg, workdir, log)
   batch_sharding = sharding.batch_sharding(mesh)
 
-  ckpt = checkpoint_lib.Checkpointer(workdir, max_to_keep=cfg.train.keep_checkpoints)
+  ckpt = checkpoint_lib.Checkpointer(workdir, max_to_keep=cfg.train.keep_checkpoints, cleanup_tmp=True)
   abstract_unboxed = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                   nn.unbox(abstract), state_sharding)
   if ckpt.latest_step() is not None:
     state, meta = ckpt.restore(abstract_unboxed)
+    if meta.get("tokenizer_sha256") not in (None, evaluate_lib.file_sha256(task.tokenizer_path)):
+      raise UserError(f"tokenizer {task.tokenizer_path} is not the one checkpoint step {meta.get('step')} was "
+                      "trained with (its hash differs): restore the original tokenizer or use a new --workdir")
     log(f"resumed from {ckpt.directory}/{ckpt.latest_step()} (step {int(state['step'])})")
   else:
     state = jax.jit(lambda r: nn.unbox(init_fn(r)), out_shardings=state_sharding)(rng)
+  if is_main:  # only now: a command that fails above leaves the workdir as it was
+    with open(os.path.join(workdir, "config.json.tmp"), "w") as f:
+      f.write(config_lib.to_json(cfg))
+    os.replace(os.path.join(workdir, "config.json.tmp"), os.path.join(workdir, "config.json"))
   n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
   log(f"model: {cfg.model.arch}, {n_params:,} parameters; mesh {dict(mesh.shape)}")
 
-  train_step = jax.jit(make_train_step(model, task, cfg, tx, schedule),
-                       in_shardings=(state_sharding, batch_sharding),
-                       out_shardings=(state_sharding, None), donate_argnums=0)
-  eval_step = jax.jit(make_eval_step(model, task),
-                      in_shardings=(state_sharding["params"], batch_sharding))
+  train_step = _under_mesh(mesh, jax.jit(make_train_step(model, task, cfg, tx, schedule),
+                                         in_shardings=(state_sharding, batch_sharding),
+                                         out_shardings=(state_sharding, None), donate_argnums=0))
+  eval_step = _under_mesh(mesh, jax.jit(make_eval_step(model, task),
+                                        in_shardings=(state_sharding["params"], batch_sharding)))
   writer = metrics_lib.MetricWriter(workdir, cfg.train.num_steps, enabled=is_main)
   dev_batches = task.eval_batches("dev", cfg.train.eval_batches) if _has_dev(task) else []
+  dev_batches = [sharding.global_batch(b, batch_sharding) for b in dev_batches]
 
   tokenizer_hash = evaluate_lib.file_sha256(task.tokenizer_path)
   step = int(state["step"])
@@ -186,11 +201,14 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
     while step < cfg.train.num_steps:
       batch = task.train_batch(step)
       tokens_since += task.num_tokens(batch)
-      state, metrics = train_step(state, batch)
+      state, metrics = train_step(state, sharding.global_batch(batch, batch_sharding))
       step += 1
       pending.append(metrics)
+      if len(pending) > 1:  # run at most one step ahead, so signals and time limits act promptly
+        jax.block_until_ready(pending[-2]["loss_sum"])
       last = step == cfg.train.num_steps or (deadline is not None and time.time() > deadline)
-      if step % cfg.train.log_every == 0 or last or stop.signal:
+      nan_stop = cfg.train.nan_policy == "stop" and not metrics["finite"]  # a sync per step, only for stop
+      if step % cfg.train.log_every == 0 or last or stop.signal or nan_stop:
         summary = _summarize(jax.device_get(pending))
         pending = []
         now = time.time()
@@ -223,7 +241,7 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
       if stop.signal:
         ckpt.wait()
         log(f"{stop.signal} received: saved a checkpoint at step {step} in {ckpt.directory}. "
-            f"Resume with the same command: {' '.join(sys.argv)}")
+            f"Resume with the same command: python {shlex.join(sys.argv)}")
         result["interrupted"] = stop.signal
         break
       if last:
@@ -264,6 +282,32 @@ def sample_text(model, params, tokenizer, cfg, step, prompt="\n", max_new_tokens
   return prompt + tokenizer.decode(np.asarray(tokens[0]))
 
 
+def _under_mesh(mesh, jitted):
+  """Calls `jitted` inside `sharding.use_mesh(mesh)`, so the model's activation
+  constraints bind when it is traced (and the trace cache is keyed on the mesh)."""
+  def call(*args):
+    with sharding.use_mesh(mesh):
+      return jitted(*args)
+  call._cache_size = jitted._cache_size
+  return call
+
+
+def maybe_initialize_distributed(multihost=False):
+  """Joins a multi-process job (one process per host): with --multihost, or when
+  JAX_COORDINATOR_ADDRESS is set. Returns whether it did.
+
+  `jax.distributed.initialize()` finds its peers by itself on Cloud TPU pods, SLURM
+  (srun), Open MPI and Kubernetes; elsewhere give every process JAX_COORDINATOR_ADDRESS
+  (host:port of process 0), JAX_NUM_PROCESSES and JAX_PROCESS_ID. Must run before JAX
+  touches a device.
+  """
+  if not (multihost or os.environ.get("JAX_COORDINATOR_ADDRESS")):
+    return False
+  env = lambda k: int(os.environ[k]) if os.environ.get(k) else None
+  jax.distributed.initialize(num_processes=env("JAX_NUM_PROCESSES"), process_id=env("JAX_PROCESS_ID"))
+  return True
+
+
 def _has_dev(task):
   return task.name == "lm" or "dev" in getattr(task, "eval", {})
 
@@ -282,6 +326,9 @@ def parse_args(argv):
   parser = argparse.ArgumentParser(description="Train a jaxformer model.")
   parser.add_argument("--config", default="default", help="recipe name in configs/ or a path to a .py file")
   parser.add_argument("--workdir", default=None, help="run directory (default: runs/<config>)")
+  parser.add_argument("--multihost", action="store_true",
+                      help="one process per host: call jax.distributed.initialize() (automatic when "
+                           "JAX_COORDINATOR_ADDRESS is set)")
   parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.num_layers=2")
   return parser.parse_args(argv)
 
@@ -290,8 +337,10 @@ def parse_args(argv):
 def main(argv):
   """`python train.py [--config NAME] [--workdir DIR] [key=value ...]`."""
   args = parse_args(argv)
+  maybe_initialize_distributed(args.multihost)
   cfg = config_lib.load_config(args.config, args.overrides)
   workdir = args.workdir or os.path.join("runs", cfg.name)
-  print(f"config {cfg.name} -> {workdir}\n{config_lib.to_json(cfg)}", flush=True)
+  if jax.process_index() == 0:
+    print(f"config {cfg.name} -> {workdir}\n{config_lib.to_json(cfg)}", flush=True)
   result = train_and_evaluate(cfg, workdir)
   return result

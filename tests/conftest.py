@@ -1,7 +1,5 @@
 """Shared fixtures: a JAX compilation cache and one short tiny_encdec training run."""
 
-import os
-
 import jax
 import pytest
 
@@ -25,9 +23,7 @@ def compilation_cache(tmp_path_factory):
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = path  # subprocesses share it
   yield path
-  os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
   for k, v in old.items():
     jax.config.update(k, v)
 

@@ -31,8 +31,8 @@ def _setup(name, overrides=(), logit_scale=5.0, seed=0):
   shapes = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), *args))["params"])
   rng = np.random.default_rng(seed)
   params = jax.tree_util.tree_map_with_path(
-      lambda path, s: jnp.ones(s.shape) if path[-1].key == "scale"
-      else jnp.asarray(rng.normal(0.0, 0.2, s.shape), jnp.float32), shapes)
+      lambda path, s: {"scale": jnp.ones, "bias": jnp.zeros}.get(path[-1].key, lambda shape: jnp.asarray(
+          rng.normal(0.0, 0.2, shape), jnp.float32))(s.shape), shapes)
   last = (params["decoder"]["final_norm"] if cfg.norm_position == "pre"
           else params["decoder"][f"layer_{cfg.num_layers - 1}"]["ffn_norm"])
   last["scale"] = last["scale"] * logit_scale
@@ -108,12 +108,20 @@ def test_greedy_translate_matches_full_recompute(name):
 
 def test_beam_size_one_equals_greedy():
   # With alpha = 0 a finished hypothesis beats every longer one, so beam 1 is exactly greedy
-  # (with alpha > 0 beam 1 may rightly go on past a finished hypothesis).
+  # (with alpha > 0 beam 1 may rightly go on past a finished hypothesis). This needs EOS to
+  # finish only from the top beam_size candidates: t2t's rule (any of 2 * beam_size) fails here.
   model, params, inputs, eos = _translate_setup("rope-gqa")
   greedy = decode.greedy_translate(model, params, inputs, max_extra_len=4, eos_id=eos)
-  tokens, _ = decode.beam_search(model, params, inputs, beam_size=1, alpha=0.0, max_extra_len=4,
-                                 eos_id=eos)
+  tokens, scores = decode.beam_search(model, params, inputs, beam_size=1, alpha=0.0, max_extra_len=4,
+                                      eos_id=eos)
   np.testing.assert_array_equal(tokens[:, 0], greedy)
+  # The cached log-probs equal a full teacher-forced pass (positions, cache layout, all of it).
+  for row, src in enumerate(SOURCES):
+    hyp = [int(t) for t in greedy[row]]
+    n = hyp.index(eos) + 1 if eos in hyp else len(src) + 4
+    logits = _forward(model)(params, jnp.asarray(_pad([src], 5)), jnp.asarray(_pad([[BOS] + hyp[:n - 1]], 9)))
+    logp = jax.nn.log_softmax(logits[0])
+    np.testing.assert_allclose(scores[row, 0], sum(logp[t, hyp[t]] for t in range(n)), atol=1e-4)
 
 
 def _all_hypotheses(model, params, src, max_len, vocab, alpha, rows=781):
@@ -134,8 +142,8 @@ def test_beam_search_equals_exhaustive_search():
   model, params = _setup("tiny_encdec", (f"model.vocab_size={vocab}",), logit_scale=2.0, seed=2)
   sources = [[3, 4], [5]]                          # at most 4 and 3 target tokens
   inputs = jnp.asarray(_pad(sources, 2))
-  # 125 = 5^3 beams hold every EOS-free prefix, so this beam search is exhaustive.
-  tokens, scores = decode.beam_search(model, params, inputs, beam_size=125, alpha=alpha,
+  # 150 beams hold every candidate before the last step (5^2 * 6), so this search is exhaustive.
+  tokens, scores = decode.beam_search(model, params, inputs, beam_size=150, alpha=alpha,
                                       max_extra_len=extra)
   for row, src in enumerate(sources):
     hyps, want = _all_hypotheses(model, params, src, len(src) + extra, vocab, alpha)
