@@ -28,6 +28,7 @@ from jaxformer import checkpoint as checkpoint_lib
 from jaxformer import config as config_lib
 from jaxformer import decode
 from jaxformer import evaluate as evaluate_lib
+from jaxformer import inspect as inspect_lib
 from jaxformer import metrics as metrics_lib
 from jaxformer import model as model_lib
 from jaxformer import optim
@@ -83,6 +84,19 @@ def make_train_step(model, task, cfg, tx, schedule):
     return new_state, metrics
 
   return train_step
+
+
+def make_multi_step(train_step):
+  """Returns `multi_step(state, batches) -> (state, metrics)`: a tuple of same-shape batches
+  run as consecutive steps in one `lax.scan`, metrics stacked on a leading step axis.
+
+  The result is bitwise that of calling `train_step` on each batch in turn. What it saves
+  is the per-call cost, large for small models on CPU: Python dispatch, and XLA's scratch
+  buffer, freshly allocated (and page-faulted in) at every call.
+  """
+  def multi_step(state, batches):
+    return jax.lax.scan(train_step, state, jax.tree.map(lambda *xs: jnp.stack(xs), *batches))
+  return multi_step
 
 
 def make_eval_step(model, task):
@@ -185,6 +199,9 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
   train_step = _under_mesh(mesh, jax.jit(make_train_step(model, task, cfg, tx, schedule),
                                          in_shardings=(state_sharding, batch_sharding),
                                          out_shardings=(state_sharding, None), donate_argnums=0))
+  multi_step = _under_mesh(mesh, jax.jit(make_multi_step(make_train_step(model, task, cfg, tx, schedule)),
+                                         in_shardings=(state_sharding, batch_sharding),
+                                         out_shardings=(state_sharding, None), donate_argnums=0))
   eval_step = _under_mesh(mesh, jax.jit(make_eval_step(model, task),
                                         in_shardings=(state_sharding["params"], batch_sharding)))
   writer = metrics_lib.MetricWriter(workdir, cfg.train.num_steps, enabled=is_main)
@@ -194,27 +211,32 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
   tokenizer_hash = evaluate_lib.file_sha256(task.tokenizer_path)
   step = int(state["step"])
   stop = _StopFlag()
-  pending, tokens_since, t_last = [], 0, time.time()
+  pending, tokens_since, flops_since, t_last = [], 0, 0.0, time.time()
+  peak = inspect_lib.peak_flops(jax.devices()[0].device_kind)  # None on CPU: no MFU shown
   deadline = time.time() + 60 * cfg.train.max_minutes if cfg.train.max_minutes else None
   result = {}
   try:
     while step < cfg.train.num_steps:
-      batch = task.train_batch(step)
-      tokens_since += task.num_tokens(batch)
-      state, metrics = train_step(state, sharding.global_batch(batch, batch_sharding))
-      step += 1
-      pending.append(metrics)
+      batches = [task.train_batch(s) for s in range(step, step + _steps_this_call(step, cfg.train))]
+      tokens_since += sum(task.num_tokens(b) for b in batches)
+      flops_since += sum(_train_flops(cfg, b) for b in batches) if peak else 0.0
+      batches = [sharding.global_batch(b, batch_sharding) for b in batches]
+      state, new = _run_steps(train_step, multi_step, state, batches)
+      step += len(batches)
+      pending += new
       if len(pending) > 1:  # run at most one step ahead, so signals and time limits act promptly
         jax.block_until_ready(pending[-2]["loss_sum"])
       last = step == cfg.train.num_steps or (deadline is not None and time.time() > deadline)
-      nan_stop = cfg.train.nan_policy == "stop" and not metrics["finite"]  # a sync per step, only for stop
+      nan_stop = cfg.train.nan_policy == "stop" and not all(jnp.all(m["finite"]) for m in new)  # syncs
       if step % cfg.train.log_every == 0 or last or stop.signal or nan_stop:
         summary = _summarize(jax.device_get(pending))
         pending = []
         now = time.time()
         summary["tokens_per_sec"] = tokens_since / max(now - t_last, 1e-9)
-        tokens_since, t_last = 0, now
-        summary["compilations"] = train_step._cache_size()
+        if peak:
+          summary["mfu"] = flops_since / max(now - t_last, 1e-9) / (peak * jax.device_count())
+        tokens_since, flops_since, t_last = 0, 0.0, now
+        summary["compilations"] = train_step._cache_size() + multi_step._cache_size()
         summary["skipped"] = int(state["skipped"])
         writer.write(step, summary)
         writer.progress(step, summary)
@@ -312,14 +334,50 @@ def _has_dev(task):
   return task.name == "lm" or "dev" in getattr(task, "eval", {})
 
 
+def _steps_this_call(step, train_cfg):
+  """`train.steps_per_call` when the next that many steps cross no log, eval or checkpoint
+  boundary (they may end on one), else 1.
+
+  So boundaries stay exact, and there are only two call shapes to compile (K steps and
+  one): choose K dividing the log, eval and checkpoint intervals.
+  """
+  t = train_cfg
+  if t.steps_per_call < 1:
+    raise UserError(f"train.steps_per_call={t.steps_per_call} must be at least 1")
+  gap = min(t.num_steps - step, *(n - step % n for n in (t.log_every, t.eval_every, t.checkpoint_every)))
+  return t.steps_per_call if t.steps_per_call <= gap else 1
+
+
+def _run_steps(train_step, multi_step, state, batches):
+  """Consecutive steps: one `multi_step` call when the batches share their shapes, else one
+  `train_step` call each (translation buckets change shape from step to step).
+
+  Returns the state and a list of metric dicts (stacked [k] for a multi_step call).
+  """
+  if len(batches) > 1 and len({tuple(x.shape for x in jax.tree.leaves(b)) for b in batches}) == 1:
+    state, metrics = multi_step(state, tuple(batches))
+    return state, [metrics]
+  new = []
+  for batch in batches:
+    state, metrics = train_step(state, batch)
+    new.append(metrics)
+  return state, new
+
+
+def _train_flops(cfg, batch):
+  """Model FLOPs of a training step (`inspect.flops_per_token` x real target tokens)."""
+  targets = batch["targets"]
+  tokens = batch["targets_segmentation"].sum() if "targets_segmentation" in batch else targets.size
+  return float(tokens) * inspect_lib.flops_per_token(cfg, targets.shape[1])["train"]
+
+
 def _summarize(metrics_list):
-  """Token-weighted means over the logged steps."""
-  tokens = sum(float(m["tokens"]) for m in metrics_list)
-  return {"loss": sum(float(m["loss_sum"]) for m in metrics_list) / max(tokens, 1.0),
-          "nll": sum(float(m["nll_sum"]) for m in metrics_list) / max(tokens, 1.0),
-          "lr": float(metrics_list[-1]["lr"]),
-          "grad_norm": float(np.mean([m["grad_norm"] for m in metrics_list])),
-          "nonfinite": int(sum(not bool(m["finite"]) for m in metrics_list))}
+  """Token-weighted means over the logged steps (entries may hold several steps each)."""
+  m = {k: np.concatenate([np.ravel(x[k]) for x in metrics_list]).astype(np.float64) for k in metrics_list[0]}
+  tokens = max(float(m["tokens"].sum()), 1.0)
+  return {"loss": float(m["loss_sum"].sum()) / tokens, "nll": float(m["nll_sum"].sum()) / tokens,
+          "lr": float(m["lr"][-1]), "grad_norm": float(m["grad_norm"].mean()),
+          "nonfinite": int((m["finite"] == 0).sum())}
 
 
 def parse_args(argv):

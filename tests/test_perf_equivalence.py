@@ -1,0 +1,61 @@
+"""Performance options must not change results: `train.steps_per_call` K > 1 is bitwise K = 1."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from jaxformer import train
+from jaxformer.config import load_config, replace
+
+
+def _run(cfg, workdir):
+  result = train.train_and_evaluate(cfg, str(workdir), log=lambda *a: None)
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    records = [json.loads(line) for line in f]
+  logged = [(r["step"], r.get("loss"), r.get("val_nll")) for r in records]
+  return jax.device_get(result["state"]), logged
+
+
+def _assert_identical(a, b):
+  jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+def test_steps_this_call_keeps_boundaries_exact():
+  t = load_config("gpt2_tiny", ["train.steps_per_call=4", "train.log_every=6", "train.eval_every=12",
+                                "train.checkpoint_every=12", "train.num_steps=14"]).train
+  steps, step = [], 0
+  while step < t.num_steps:
+    steps.append(train._steps_this_call(step, t))
+    step += steps[-1]
+  # 0-4 (a chunk), 4, 5 -> 6 (log), 6-10, 10, 11 -> 12 (log, eval, checkpoint), 12, 13 -> 14 (end).
+  assert steps == [4, 1, 1, 4, 1, 1, 1, 1]
+
+
+def test_lm_steps_per_call_is_bitwise_identical(tmp_path):
+  """gpt2_tiny with dropout (so the per-step rng goes through the scan too): K=1 vs K=4."""
+  rng = np.random.default_rng(0)
+  words = "the cat dog sat on a mat and ran to big red house".split()
+  (tmp_path / "text.txt").write_text("\n".join(" ".join(rng.choice(words, 8)) + "." for _ in range(200)))
+  cfg = load_config("gpt2_tiny", [f"data.text_path={tmp_path / 'text.txt'}", "model.num_layers=1",
+                                  "model.dropout_rate=0.1", "train.num_steps=10", "train.log_every=4",
+                                  "train.eval_every=8", "train.checkpoint_every=8", "train.eval_batches=1",
+                                  "train.sample_every_eval=false"])
+  state_1, logged_1 = _run(cfg, tmp_path / "k1")
+  state_4, logged_4 = _run(replace(cfg, **{"train.steps_per_call": 4}), tmp_path / "k4")
+  assert int(state_4["step"]) == 10
+  _assert_identical(state_1, state_4)
+  assert logged_1 == logged_4  # same steps logged, evaluated, same values
+
+
+@pytest.mark.slow
+def test_translation_steps_per_call_is_bitwise_identical(tmp_path):
+  """Buckets of different shapes fall back to single steps; equal shapes are scanned."""
+  cfg = tiny_config("model.num_layers=1", "train.num_steps=8", "train.log_every=8", "train.checkpoint_every=8")
+  state_1, logged_1 = _run(cfg, tmp_path / "k1")
+  state_4, logged_4 = _run(replace(cfg, **{"train.steps_per_call": 4}), tmp_path / "k4")
+  _assert_identical(state_1, state_4)
+  assert logged_1 == logged_4
