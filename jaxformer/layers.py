@@ -82,7 +82,11 @@ class Embed(nn.Module):
 
   def __call__(self, ids):
     """ids [batch, length] int -> [batch, length, d_model]."""
-    x = jnp.take(self.embedding, ids, axis=0).astype(self.cfg.dtype)
+    # FSDP: gather from the table all-gathered over `embed`, so the rows come out sharded
+    # like `ids` (over the batch); else XLA gathers embed-sharded rows and reshards them.
+    table = nn.with_logical_constraint(self.embedding, ("vocab", None))
+    x = jnp.take(table, ids, axis=0).astype(self.cfg.dtype)
+    x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
     return x * math.sqrt(self.cfg.d_model) if self.cfg.scale_embeddings else x
 
   def attend(self, x):

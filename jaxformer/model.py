@@ -72,6 +72,7 @@ class Stack(nn.Module):
     elif cfg.position == "learned":
       table = self.param("position_embedding", layers._param(nn.initializers.normal(cfg.init_std),
                                                              ("length", "embed")), (cfg.max_len, cfg.d_model))
+      table = nn.with_logical_constraint(table, ("length", None))  # all-gathered, as in Embed
       x = x + jnp.take(table, position, axis=0).astype(x.dtype)
     # The paper applies dropout to the sum of embeddings and positional encodings.
     x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
