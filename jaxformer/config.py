@@ -123,7 +123,7 @@ class TrainConfig:
   keep_checkpoints: int = 20        # the paper averages the last 5 (base) / 20 (big)
   seed: int = 0
   nan_policy: str = "skip"          # skip | stop
-  steps_per_call: int = 1           # steps fused into one jitted lax.scan
+  steps_per_call: int = 1           # lm: steps fused into one jitted lax.scan (same result, less per-call cost)
   max_minutes: float = 0.0          # stop (with a checkpoint) after this much training time; 0 = no limit
   sample_every_eval: bool = True    # lm: print a sample at eval time
   eval_bleu_sentences: int = 0      # translation: greedy BLEU on this many dev sentences at each eval

@@ -71,7 +71,7 @@ def make_train_step(model, task, cfg, tx, schedule):
       (grads, loss, nll, weight), _ = jax.lax.scan(body, zeros, (jnp.arange(accum), micro))
     weight = jnp.maximum(weight, 1.0)
     grads = jax.tree.map(lambda g: g / weight, grads)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -217,17 +217,20 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
   result = {}
   try:
     while step < cfg.train.num_steps:
-      batches = [task.train_batch(s) for s in range(step, step + _steps_this_call(step, cfg.train))]
+      batches = [task.train_batch(s) for s in range(step, step + _steps_this_call(step, cfg.train, task))]
       tokens_since += sum(task.num_tokens(b) for b in batches)
       flops_since += sum(_train_flops(cfg, b) for b in batches) if peak else 0.0
       batches = [sharding.global_batch(b, batch_sharding) for b in batches]
-      state, new = _run_steps(train_step, multi_step, state, batches)
+      if len(batches) > 1:
+        state, metrics = multi_step(state, tuple(batches))
+      else:
+        state, metrics = train_step(state, batches[0])
       step += len(batches)
-      pending += new
+      pending.append(metrics)
       if len(pending) > 1:  # run at most one step ahead, so signals and time limits act promptly
         jax.block_until_ready(pending[-2]["loss_sum"])
       last = step == cfg.train.num_steps or (deadline is not None and time.time() > deadline)
-      nan_stop = cfg.train.nan_policy == "stop" and not all(jnp.all(m["finite"]) for m in new)  # syncs
+      nan_stop = cfg.train.nan_policy == "stop" and not jnp.all(metrics["finite"])  # a sync, only for stop
       if step % cfg.train.log_every == 0 or last or stop.signal or nan_stop:
         summary = _summarize(jax.device_get(pending))
         pending = []
@@ -334,34 +337,22 @@ def _has_dev(task):
   return task.name == "lm" or "dev" in getattr(task, "eval", {})
 
 
-def _steps_this_call(step, train_cfg):
+def _steps_this_call(step, train_cfg, task):
   """`train.steps_per_call` when the next that many steps cross no log, eval or checkpoint
   boundary (they may end on one), else 1.
 
   So boundaries stay exact, and there are only two call shapes to compile (K steps and
-  one): choose K dividing the log, eval and checkpoint intervals.
+  one): choose K dividing the log, eval and checkpoint intervals. Translation always runs
+  one step per call: its bucket shapes change from step to step, and the sin/cos of its
+  sinusoidal positions compile to other code inside a loop (not bitwise the same).
   """
   t = train_cfg
   if t.steps_per_call < 1:
     raise UserError(f"train.steps_per_call={t.steps_per_call} must be at least 1")
+  if task.name != "lm":
+    return 1
   gap = min(t.num_steps - step, *(n - step % n for n in (t.log_every, t.eval_every, t.checkpoint_every)))
   return t.steps_per_call if t.steps_per_call <= gap else 1
-
-
-def _run_steps(train_step, multi_step, state, batches):
-  """Consecutive steps: one `multi_step` call when the batches share their shapes, else one
-  `train_step` call each (translation buckets change shape from step to step).
-
-  Returns the state and a list of metric dicts (stacked [k] for a multi_step call).
-  """
-  if len(batches) > 1 and len({tuple(x.shape for x in jax.tree.leaves(b)) for b in batches}) == 1:
-    state, metrics = multi_step(state, tuple(batches))
-    return state, [metrics]
-  new = []
-  for batch in batches:
-    state, metrics = train_step(state, batch)
-    new.append(metrics)
-  return state, new
 
 
 def _train_flops(cfg, batch):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import types
 
 import jax
 import numpy as np
@@ -17,7 +18,7 @@ def _run(cfg, workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     records = [json.loads(line) for line in f]
   logged = [(r["step"], r.get("loss"), r.get("val_nll")) for r in records]
-  return jax.device_get(result["state"]), logged
+  return jax.device_get(result["state"]), logged, records
 
 
 def _assert_identical(a, b):
@@ -27,16 +28,19 @@ def _assert_identical(a, b):
 def test_steps_this_call_keeps_boundaries_exact():
   t = load_config("gpt2_tiny", ["train.steps_per_call=4", "train.log_every=6", "train.eval_every=12",
                                 "train.checkpoint_every=12", "train.num_steps=14"]).train
+  lm, translation = types.SimpleNamespace(name="lm"), types.SimpleNamespace(name="translation")
   steps, step = [], 0
   while step < t.num_steps:
-    steps.append(train._steps_this_call(step, t))
+    steps.append(train._steps_this_call(step, t, lm))
     step += steps[-1]
   # 0-4 (a chunk), 4, 5 -> 6 (log), 6-10, 10, 11 -> 12 (log, eval, checkpoint), 12, 13 -> 14 (end).
   assert steps == [4, 1, 1, 4, 1, 1, 1, 1]
+  assert train._steps_this_call(0, t, translation) == 1
 
 
-def test_lm_steps_per_call_is_bitwise_identical(tmp_path):
+def test_lm_steps_per_call_is_bitwise_identical(tmp_path, monkeypatch):
   """gpt2_tiny with dropout (so the per-step rng goes through the scan too): K=1 vs K=4."""
+  monkeypatch.setattr(train.inspect_lib, "peak_flops", lambda kind: 1e12)  # as if on a known device
   rng = np.random.default_rng(0)
   words = "the cat dog sat on a mat and ran to big red house".split()
   (tmp_path / "text.txt").write_text("\n".join(" ".join(rng.choice(words, 8)) + "." for _ in range(200)))
@@ -44,18 +48,20 @@ def test_lm_steps_per_call_is_bitwise_identical(tmp_path):
                                   "model.dropout_rate=0.1", "train.num_steps=10", "train.log_every=4",
                                   "train.eval_every=8", "train.checkpoint_every=8", "train.eval_batches=1",
                                   "train.sample_every_eval=false"])
-  state_1, logged_1 = _run(cfg, tmp_path / "k1")
-  state_4, logged_4 = _run(replace(cfg, **{"train.steps_per_call": 4}), tmp_path / "k4")
+  state_1, logged_1, _ = _run(cfg, tmp_path / "k1")
+  state_4, logged_4, records = _run(replace(cfg, **{"train.steps_per_call": 4}), tmp_path / "k4")
   assert int(state_4["step"]) == 10
   _assert_identical(state_1, state_4)
   assert logged_1 == logged_4  # same steps logged, evaluated, same values
+  mfu = [r["mfu"] for r in records if "loss" in r]
+  assert len(mfu) == 3 and all(0 < x < 1 for x in mfu)
 
 
 @pytest.mark.slow
 def test_translation_steps_per_call_is_bitwise_identical(tmp_path):
-  """Buckets of different shapes fall back to single steps; equal shapes are scanned."""
+  """Translation ignores steps_per_call (bucket shapes vary; see `train._steps_this_call`)."""
   cfg = tiny_config("model.num_layers=1", "train.num_steps=8", "train.log_every=8", "train.checkpoint_every=8")
-  state_1, logged_1 = _run(cfg, tmp_path / "k1")
-  state_4, logged_4 = _run(replace(cfg, **{"train.steps_per_call": 4}), tmp_path / "k4")
+  state_1, logged_1, _ = _run(cfg, tmp_path / "k1")
+  state_4, logged_4, _ = _run(replace(cfg, **{"train.steps_per_call": 4}), tmp_path / "k4")
   _assert_identical(state_1, state_4)
   assert logged_1 == logged_4

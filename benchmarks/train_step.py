@@ -1,0 +1,206 @@
+"""Training-step speed: ms/step, tokens/s, model TFLOP/s, MFU, compile time.
+
+    python benchmarks/train_step.py --config shakespeare_char [overrides ...]
+        [--steps-per-call 1,25] [--xla-option KEY=VALUE ...] [--rounds 7] [--steps 50]
+        [--peak TFLOPS] [--fast]
+
+Each variant (every --steps-per-call value, each also with the --xla-option compiler
+options when given) runs interleaved in one process, A, B, A, B, ..., and the figures
+are medians over rounds, so a busy machine slows all variants alike. Timed is the
+jitted step (the trainer's own `make_train_step`/`make_multi_step`); batches are built
+and put on the device beforehand (benchmarks/input_pipeline.py measures the data side).
+CPU ms/step is the process's CPU time (all threads): under load it is steadier than
+wall time.
+
+Model FLOPs come from `inspect.flops_per_token`: 2 x matmul weights per token plus
+attention, with causal self-attention counted as half the square ((L+1)/2 keys per
+query), and backward = 2 x forward. MFU divides by the device's dense bf16 peak from
+`inspect.DEVICES`, by --peak, or on CPU by a large float32 matmul timed in this run.
+"""
+
+import argparse
+import datetime
+import os
+import resource
+import sys
+import tempfile
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from jaxformer import config as config_lib  # pylint: disable=g-import-not-at-top
+from jaxformer import inspect as inspect_lib
+from jaxformer import sharding
+from jaxformer import train
+
+_compiles = []  # backend compile durations (s), from jax.monitoring
+
+
+def _on_duration(event, seconds, **_):
+  if event == "/jax/core/compile/backend_compile_duration":
+    _compiles.append(seconds)
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+
+def matmul_peak(n=2048, repeats=5):
+  """FLOP/s of a jitted float32 [n, n] x [n, n] matmul, best of `repeats`: a practical peak."""
+  a, b = (jax.random.normal(jax.random.key(i), (n, n), jnp.float32) for i in range(2))
+  f = jax.jit(jnp.matmul)
+  f(a, b).block_until_ready()
+  best = float("inf")
+  for _ in range(repeats):
+    t = time.perf_counter()
+    f(a, b).block_until_ready()
+    best = min(best, time.perf_counter() - t)
+  return 2 * n ** 3 / best
+
+
+def _parse_options(items):
+  """["key=value", ...] -> {key: value} with true/false/ints parsed (XLA debug options)."""
+  options = {}
+  for item in items:
+    key, _, value = item.partition("=")
+    key = key.lstrip("-")
+    low = value.lower()
+    options[key] = True if low == "true" else False if low == "false" else int(value) if value.isdigit() else value
+  return options
+
+
+class Variant:
+  """One jitted train step (K steps per call) with its own state and timings."""
+
+  def __init__(self, name, k, options, cfg, parts, batches):
+    mesh, task, model, tx, schedule, init_fn, rng, state_sharding = parts
+    self.name, self.k = name, k
+    step = train.make_train_step(model, task, cfg, tx, schedule)
+    fn = step if k == 1 else train.make_multi_step(step)
+    # As in train.train_and_evaluate, so the step compiles once.
+    self.jitted = jax.jit(fn, in_shardings=(state_sharding, sharding.batch_sharding(mesh)),
+                          out_shardings=(state_sharding, None), donate_argnums=0,
+                          compiler_options=options or None)
+    self.call = train._under_mesh(mesh, self.jitted)  # pylint: disable=protected-access
+    self.state = jax.jit(lambda r: nn.unbox(init_fn(r)), out_shardings=state_sharding)(rng)
+    n = len(batches) // k
+    self.inputs = batches[:n] if k == 1 else [tuple(batches[i * k:(i + 1) * k]) for i in range(n)]
+    self.wall, self.cpu, self.faults = [], [], []
+    before = len(_compiles)
+    t = time.perf_counter()
+    self.state, metrics = self.call(self.state, self.inputs[0])
+    jax.block_until_ready(metrics)
+    self.first_call = time.perf_counter() - t
+    self.compile_s = sum(_compiles[before:])
+
+  def run(self, steps):
+    """Runs about `steps` steps; records wall, CPU time and page faults per step."""
+    calls = max(1, steps // self.k)
+    f0, c0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.process_time(), time.perf_counter()
+    for i in range(calls):
+      self.state, metrics = self.call(self.state, self.inputs[i % len(self.inputs)])
+    jax.block_until_ready(metrics)
+    n = calls * self.k
+    self.wall.append((time.perf_counter() - t0) / n)
+    self.cpu.append((time.process_time() - c0) / n)
+    self.faults.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / n)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--config", default="shakespeare_char", help="recipe name or path")
+  parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.num_layers=2")
+  parser.add_argument("--steps-per-call", default=None,
+                      help="comma-separated K values (default: 1 and the config's train.steps_per_call)")
+  parser.add_argument("--xla-option", action="append", default=[],
+                      help="XLA debug option KEY=VALUE for extra variants, e.g. "
+                           "xla_cpu_experimental_ynn_fusion_type= (repeatable; all go into one variant)")
+  parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (median over them)")
+  parser.add_argument("--steps", type=int, default=50, help="steps per variant per round")
+  parser.add_argument("--peak", type=float, default=None, help="peak TFLOP/s for MFU (overrides the lookup)")
+  parser.add_argument("--fast", action="store_true", help="smoke run: 2 rounds, few steps, small matmul")
+  args = parser.parse_args(argv)
+  if args.fast:
+    args.rounds, args.steps = 2, 4
+
+  cfg = config_lib.load_config(args.config, args.overrides)
+  ks = sorted({1, cfg.train.steps_per_call}) if args.steps_per_call is None else [
+      int(k) for k in args.steps_per_call.split(",")]
+  if args.fast:
+    args.steps = max(args.steps, max(ks))
+  options = _parse_options(args.xla_option)
+  workdir = tempfile.mkdtemp(prefix="bench_train_step_")
+  mesh, task, model, tx, schedule, init_fn, rng, _, state_sharding = train.setup(cfg, workdir, log=lambda *a: None)
+  parts = (mesh, task, model, tx, schedule, init_fn, rng, state_sharding)
+  if task.name != "lm" and ks != [1]:
+    print("translation trains one step per call (see train._steps_this_call): K=1 only")
+    ks = [1]
+
+  # Batches of the first batch's shape only (translation buckets vary), ready on the device.
+  first = task.train_batch(0)
+  shape = {k: v.shape for k, v in first.items()}
+  batches, i = [], 0
+  while len(batches) < 2 * max(ks) and i < 50 * max(ks):
+    b = task.train_batch(i)
+    if {k: v.shape for k, v in b.items()} == shape:
+      batches.append(b)
+    i += 1
+  while len(batches) < 2 * max(ks):
+    batches += batches[:2 * max(ks) - len(batches)]
+  tokens = np.mean([task.num_tokens(b) for b in batches])
+  seq_len = first["targets"].shape[1]
+  flops_per_token = inspect_lib.flops_per_token(cfg, seq_len)["train"]
+  target_tokens = np.mean([b["targets_segmentation"].sum() if "targets_segmentation" in b else b["targets"].size
+                           for b in batches])
+  flops_per_step = target_tokens * flops_per_token
+  batches = [sharding.global_batch(b, sharding.batch_sharding(mesh)) for b in batches]
+
+  device = jax.devices()[0]
+  if args.peak:
+    peak, peak_note = args.peak * 1e12, "--peak"
+  elif inspect_lib.peak_flops(device.device_kind):
+    peak = inspect_lib.peak_flops(device.device_kind) * jax.device_count()
+    peak_note = f"{inspect_lib.device_name(device.device_kind)} dense bf16 x {jax.device_count()}"
+  elif device.platform == "cpu":
+    n = 1024 if args.fast else 2048
+    peak, peak_note = matmul_peak(n), f"float32 {n}^3 matmul measured now"
+  else:
+    peak, peak_note = None, "unknown"
+
+  m = cfg.model
+  print(f"{datetime.date.today()} | jax {jax.__version__} | {jax.device_count()} x {device.device_kind} "
+        f"({os.cpu_count()} CPUs) | XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+  print(f"config {cfg.name}: {m.arch}, {m.num_layers} layers, d_model {m.d_model}, {m.num_heads} heads, "
+        f"d_ff {m.d_ff}, vocab {m.vocab_size}, {m.dtype}; batch {tuple(first['inputs'].shape)}, "
+        f"{tokens:,.0f} tokens/step")
+  print(f"model FLOPs: {flops_per_token / 1e6:.2f} MFLOP per target token in training (causal attention "
+        f"counted as half the square, backward = 2 x forward) = {flops_per_step / 1e9:.2f} GFLOP/step")
+  if peak:
+    print(f"peak for MFU: {peak / 1e12:.3f} TFLOP/s ({peak_note})")
+
+  variants = []
+  for k in ks:
+    for opts in ([{}, options] if options else [{}]):
+      name = f"K={k}" + (" +" + ",".join(f"{a}={b}" for a, b in opts.items()) if opts else "")
+      variants.append(Variant(name, k, opts, cfg, parts, batches))
+  for _ in range(args.rounds):
+    for v in variants:
+      v.run(args.steps)
+
+  width = max(len(v.name) for v in variants)
+  print(f"\n{'variant':<{width}}  ms/step  (min)  cpu ms/step  tokens/s  TFLOP/s    MFU  faults/step"
+        f"  compile s  first call s  compilations")
+  for v in variants:
+    wall = float(np.median(v.wall))
+    mfu = f"{100 * flops_per_step / wall / peak:5.1f}%" if peak else "    -"
+    print(f"{v.name:<{width}}  {1e3 * wall:7.2f} {1e3 * min(v.wall):6.2f}  {1e3 * np.median(v.cpu):11.2f}"
+          f"  {tokens / wall:8,.0f}  {flops_per_step / wall / 1e12:7.4f}  {mfu}  {np.median(v.faults):11,.0f}"
+          f"  {v.compile_s:9.2f}  {v.first_call:12.2f}  {v.jitted._cache_size():12d}")  # pylint: disable=protected-access
+  print(f"\n{args.rounds} interleaved rounds x {args.steps} steps per variant; medians (min = best round)")
+
+
+if __name__ == "__main__":
+  main()
