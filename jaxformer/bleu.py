@@ -9,9 +9,9 @@ Two numbers answer two questions:
 """
 
 import functools
-import os
 import re
 
+from jaxformer.data import read_lines
 from jaxformer.errors import UserError
 
 # The perl in get_ende_bleu.sh runs on bytes, where \s is ASCII whitespace only
@@ -93,26 +93,6 @@ def tokenized_bleu(hyps: list[str], refs: list[str],
       "ref_len": b.ref_len,
       "compound_split": compound_split,
   }
-
-
-def read_lines(path: str) -> list[str]:
-  """Reads a UTF-8 file as a list of lines (one segment per line)."""
-  if not os.path.isfile(path):
-    raise UserError(f"file not found: {path}")
-  with open(path, "rb") as f:
-    data = f.read()
-  try:
-    text = data.decode("utf-8")
-  except UnicodeDecodeError as e:
-    line = data.count(b"\n", 0, e.start) + 1
-    raise UserError(f"{path} line {line} is not valid UTF-8; re-encode the "
-                    "file as UTF-8") from None
-  # split("\n"), not splitlines(): U+2028 or \x0c inside a segment must not
-  # create extra lines and misalign the corpus.
-  lines = text.split("\n")
-  if lines[-1] == "":
-    lines.pop()
-  return [line.removesuffix("\r") for line in lines]
 
 
 def score_files(hyp_path: str, ref_path: str) -> dict:

@@ -19,6 +19,7 @@ import numpy as np
 from jaxformer import bleu
 from jaxformer import checkpoint as checkpoint_lib
 from jaxformer import config as config_lib
+from jaxformer import data as data_lib
 from jaxformer import decode
 from jaxformer import losses
 from jaxformer import model as model_lib
@@ -211,7 +212,7 @@ def main(argv):
     print(f"saved averaged params to {args.save_average}/checkpoints/{meta.get('step', 0)}")
   if cfg.data.task == "lm":
     if args.text:
-      text, name = "\n".join(bleu.read_lines(args.text)) + "\n", args.text
+      text, name = "\n".join(data_lib.read_lines(args.text)) + "\n", args.text
     else:
       text, name = tasks.LMTask(cfg, args.workdir, log=lambda *_: None).val_text, "the validation split"
     result = perplexity(model, params, tokenizer, text, cfg.data.block_size)

@@ -140,7 +140,7 @@ def test_score_files_errors(tmp_path):
   with pytest.raises(UserError, match="not found"):
     bleu.score_files(str(hyp), str(ref))
   hyp.write_bytes(b"eins\nzw\xe4i\n")  # Latin-1 umlaut.
-  with pytest.raises(UserError, match="line 2 is not valid UTF-8"):
+  with pytest.raises(UserError, match=":2: not valid UTF-8"):
     bleu.score_files(str(hyp), str(ref))
   hyp.write_text("eins\nzwei\ndrei\n", encoding="utf-8")
   with pytest.raises(UserError, match="3 lines.*has 2"):
