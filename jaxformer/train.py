@@ -273,23 +273,22 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
         if step < cfg.train.num_steps:
           log(f"train.max_minutes={cfg.train.max_minutes} reached at step {step}")
         break
+    if task.name == "translation" and cfg.train.final_eval_split and "interrupted" not in result:
+      split = cfg.train.final_eval_split
+      scores, hyps, sources, refs = evaluate_lib.evaluate_translation(
+          cfg, model, state["params"], task.tokenizer, split, os.path.join(workdir, f"{split}.hyp.txt"),
+          log=lambda *_: None)
+      for src, hyp, ref in list(zip(sources, hyps, refs))[:5]:
+        log(f"  src: {src}\n  hyp: {hyp}\n  ref: {ref}")
+      log(bleu.format_scores(scores))
+      writer.write(step, {f"{split}_bleu": scores["sacrebleu"]["bleu"]})
+      result["final_scores"] = scores
   finally:
     stop.restore()
     ckpt.close()
     writer.close()
   if is_main and os.path.exists(os.path.join(workdir, "metrics.jsonl")):
     metrics_lib.plot_metrics(os.path.join(workdir, "metrics.jsonl"), os.path.join(workdir, "metrics.png"))
-  if task.name == "translation" and cfg.train.final_eval_split and "interrupted" not in result:
-    scores, hyps, sources, refs = evaluate_lib.evaluate_translation(
-        cfg, model, state["params"], task.tokenizer, cfg.train.final_eval_split,
-        os.path.join(workdir, f"{cfg.train.final_eval_split}.hyp.txt"), log=lambda *_: None)
-    for src, hyp, ref in list(zip(sources, hyps, refs))[:5]:
-      log(f"  src: {src}\n  hyp: {hyp}\n  ref: {ref}")
-    log(bleu.format_scores(scores))
-    writer_final = metrics_lib.MetricWriter(workdir, cfg.train.num_steps, enabled=is_main)
-    writer_final.write(step, {f"{cfg.train.final_eval_split}_bleu": scores["sacrebleu"]["bleu"]})
-    writer_final.close()
-    result["final_scores"] = scores
   result["step"] = step
   result["state"] = state
   result["task"] = task
