@@ -2,13 +2,16 @@
 
     python benchmarks/train_step.py --config shakespeare_char [overrides ...]
         [--steps-per-call 1,25] [--xla-option KEY=VALUE ...] [--rounds 7] [--steps 50]
-        [--peak TFLOPS] [--fast]
+        [--peak TFLOPS] [--batch B,S,T] [--fast]
 
 Each variant (every --steps-per-call value, each also with the --xla-option compiler
 options when given) runs interleaved in one process, A, B, A, B, ..., and the figures
 are medians over rounds, so a busy machine slows all variants alike. Timed is the
 jitted step (the trainer's own `make_train_step`/`make_multi_step`); batches are built
 and put on the device beforehand (benchmarks/input_pipeline.py measures the data side).
+With --batch B,S,T (translation) or B,T (LM) the batches are random tokens of exactly
+that shape with no padding, e.g. `--config multi30k <wmt_base sizes> --batch 64,24,24`
+for Multi30k-length sentences (the data still builds the tokenizer).
 CPU ms/step is the process's CPU time (all threads): under load it is steadier than
 wall time.
 
@@ -72,6 +75,29 @@ def _parse_options(items):
   return options
 
 
+def random_batch(like, shape, vocab, seed):
+  """A batch with `like`'s keys: random tokens of `shape` (B,S,T or B,T), every slot real."""
+  rng = np.random.default_rng(seed)
+  batch_size, lengths = shape[0], shape[1:]
+  if "decoder_inputs" in like:  # translation: inputs [B, S]; targets, decoder_inputs [B, T]
+    if len(lengths) != 2:
+      raise SystemExit("error: --batch for a translation config is B,S,T (e.g. 64,24,24)")
+    s, t = lengths
+    targets = rng.integers(3, vocab, (batch_size, t), dtype=np.int32)
+    return {"inputs": rng.integers(3, vocab, (batch_size, s), dtype=np.int32), "targets": targets,
+            "decoder_inputs": np.concatenate([np.ones((batch_size, 1), np.int32), targets[:, :-1]], 1),
+            "inputs_segmentation": np.ones((batch_size, s), np.int32),
+            "targets_segmentation": np.ones((batch_size, t), np.int32),
+            "inputs_position": np.broadcast_to(np.arange(s, dtype=np.int32), (batch_size, s)).copy(),
+            "targets_position": np.broadcast_to(np.arange(t, dtype=np.int32), (batch_size, t)).copy()}
+  if len(lengths) != 1:
+    raise SystemExit("error: --batch for a language-model config is B,T (e.g. 16,256)")
+  tokens = rng.integers(3, vocab, (batch_size, lengths[0] + 1), dtype=np.int32)
+  out = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": np.ones_like(tokens[:, 1:]),
+         "positions": np.broadcast_to(np.arange(lengths[0], dtype=np.int32), tokens[:, 1:].shape).copy()}
+  return {k: out[k] for k in like}
+
+
 class Variant:
   """One jitted train step (K steps per call) with its own state and timings."""
 
@@ -121,6 +147,8 @@ def main(argv=None):
   parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (median over them)")
   parser.add_argument("--steps", type=int, default=50, help="steps per variant per round")
   parser.add_argument("--peak", type=float, default=None, help="peak TFLOP/s for MFU (overrides the lookup)")
+  parser.add_argument("--batch", default=None,
+                      help="B,S,T (translation) or B,T (LM): random full batches of this shape instead of data")
   parser.add_argument("--fast", action="store_true", help="smoke run: 2 rounds, few steps, small matmul")
   args = parser.parse_args(argv)
   if args.fast:
@@ -150,6 +178,10 @@ def main(argv=None):
     i += 1
   while len(batches) < 2 * max(ks):
     batches += batches[:2 * max(ks) - len(batches)]
+  if args.batch:
+    batches = [random_batch(first, [int(x) for x in args.batch.split(",")], cfg.model.vocab_size, i)
+               for i in range(len(batches))]
+    first = batches[0]
   tokens = np.mean([task.num_tokens(b) for b in batches])
   seq_len = first["targets"].shape[1]
   flops_per_token = inspect_lib.flops_per_token(cfg, seq_len)["train"]

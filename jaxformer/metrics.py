@@ -9,6 +9,7 @@ import numpy as np
 
 # Step timing uses a monotonic clock: wall time can jump (NTP) mid-run.
 _clock = time.monotonic
+_wall = time.time  # the clock train.max_minutes deadlines are set in
 
 
 def format_eta(seconds):
@@ -55,8 +56,9 @@ _FORMATS = {
     "tok_per_sec": lambda v: f"{format_count(v)} tok/s",
     "tokens_per_sec": lambda v: f"{format_count(v)} tok/s",
     "mfu": lambda v: f"mfu {100 * v:.1f}%",  # A fraction of peak FLOPs.
+    "step_ms": lambda v: f"{v:,.0f} ms/step",
 }
-_ORDER = ("loss", "nll", "lr", "tok_per_sec", "tokens_per_sec", "mfu")
+_ORDER = ("loss", "nll", "lr", "tok_per_sec", "tokens_per_sec", "step_ms", "mfu")
 
 
 class MetricWriter:
@@ -73,6 +75,7 @@ class MetricWriter:
     self._ema = ema
     self._step_time = None  # Moving average of seconds per step.
     self._last = None  # (time, step) at the previous `progress` call.
+    self.deadline = None  # time.time() at which training stops regardless of steps (max_minutes)
     self._jsonl = self._tb = None
     if enabled:
       os.makedirs(workdir, exist_ok=True)
@@ -117,7 +120,10 @@ class MetricWriter:
       parts.append(_FORMATS.get(key, lambda v, k=key: f"{k} {v:.4g}")(value))
     if self._step_time is not None:
       remaining = max(self.total_steps - step, 0) * self._step_time
-      parts.append(f"eta {format_eta(remaining)}")
+      if self.deadline is not None and _wall() + remaining > self.deadline:
+        parts.append(f"eta {format_eta(max(self.deadline - _wall(), 0))} (max_minutes)")
+      else:
+        parts.append(f"eta {format_eta(remaining)}")
     line = " | ".join(parts)
     print(line, flush=True)
     return line

@@ -36,6 +36,13 @@ from jaxformer import sharding
 from jaxformer import tasks
 from jaxformer.errors import UserError, cli
 
+# Every XLA compilation in this process (seconds each), so a run can report how many
+# programs it compiled and how long that took (a new batch shape = a new compilation).
+_COMPILES = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, seconds, **_: _COMPILES.append(seconds)
+    if event == "/jax/core/compile/backend_compile_duration" else None)
+
 
 def make_train_step(model, task, cfg, tx, schedule):
   """Returns `train_step(state, batch) -> (state, metrics)`, pure and jittable.
@@ -165,6 +172,7 @@ def setup(cfg, workdir, log=print):
 
 def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
   """Trains `cfg` in `workdir` (resuming from its latest checkpoint) and returns final metrics."""
+  compiles_before = len(_COMPILES)
   try:
     os.makedirs(workdir, exist_ok=True)
     probe = os.path.join(workdir, f".write-test-{jax.process_index()}")
@@ -211,9 +219,10 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
   tokenizer_hash = evaluate_lib.file_sha256(task.tokenizer_path)
   step = int(state["step"])
   stop = _StopFlag()
-  pending, tokens_since, flops_since, t_last = [], 0, 0.0, time.time()
+  pending, tokens_since, flops_since, steps_since, t_last = [], 0, 0.0, 0, time.time()
   peak = inspect_lib.peak_flops(jax.devices()[0].device_kind)  # None on CPU: no MFU shown
   deadline = time.time() + 60 * cfg.train.max_minutes if cfg.train.max_minutes else None
+  writer.deadline = deadline  # the ETA never promises more than train.max_minutes
   result = {}
   try:
     while step < cfg.train.num_steps:
@@ -226,6 +235,7 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
       else:
         state, metrics = train_step(state, batches[0])
       step += len(batches)
+      steps_since += len(batches)
       pending.append(metrics)
       if len(pending) > 1:  # run at most one step ahead, so signals and time limits act promptly
         jax.block_until_ready(pending[-2]["loss_sum"])
@@ -236,9 +246,10 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
         pending = []
         now = time.time()
         summary["tokens_per_sec"] = tokens_since / max(now - t_last, 1e-9)
+        summary["step_ms"] = 1e3 * (now - t_last) / max(steps_since, 1)  # includes any eval since the last log
         if peak:
           summary["mfu"] = flops_since / max(now - t_last, 1e-9) / (peak * jax.device_count())
-        tokens_since, flops_since, t_last = 0, 0.0, now
+        tokens_since, flops_since, steps_since, t_last = 0, 0.0, 0, now
         summary["compilations"] = train_step._cache_size() + multi_step._cache_size()
         summary["skipped"] = int(state["skipped"])
         writer.write(step, summary)
@@ -283,6 +294,11 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
       log(bleu.format_scores(scores))
       writer.write(step, {f"{split}_bleu": scores["sacrebleu"]["bleu"]})
       result["final_scores"] = scores
+    compiles = _COMPILES[compiles_before:]
+    result.update(programs_compiled=len(compiles), compile_s=sum(compiles))
+    writer.write(step, {"programs_compiled": len(compiles), "compile_s": sum(compiles)})
+    log(f"compiled {len(compiles)} XLA programs in {sum(compiles):.1f} s (train/eval steps per batch shape, "
+        f"decoding, sampling)")
   finally:
     stop.restore()
     ckpt.close()

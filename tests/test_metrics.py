@@ -77,3 +77,15 @@ def test_progress_line(tmp_path, monkeypatch, capsys):
   assert line == ("step 1200/100000 | loss 3.214 | nll 2.9 | lr 6.9e-04 | "
                   "12,345 tok/s | mfu 31.2% | grad_norm 0.5123 | eta 2h44m")
   assert line in capsys.readouterr().out
+
+
+def test_progress_eta_respects_time_budget(tmp_path, monkeypatch):
+  clock = iter([100.0, 110.0])
+  monkeypatch.setattr(metrics, "_clock", lambda: next(clock))
+  monkeypatch.setattr(metrics, "_wall", lambda: 5000.0)
+  writer = metrics.MetricWriter(tmp_path, total_steps=100000)
+  writer.deadline = 5000.0 + 1800  # train.max_minutes=30 started now
+  writer.progress(1000, {"step_ms": 100.0})
+  line = writer.progress(1100, {"step_ms": 100.0})  # 0.1 s/step: 2h45m of steps, 30 min of budget
+  writer.close()
+  assert line == "step 1100/100000 | 100 ms/step | eta 30m00s (max_minutes)"
