@@ -1,0 +1,37 @@
+"""The benchmark helpers that shape what is measured (no timing is asserted)."""
+
+import importlib.util
+import os
+
+import numpy as np
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def _load(name):
+  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_random_translation_batch_is_a_real_teacher_forced_batch():
+  train_step = _load("train_step")
+  like = dict.fromkeys(["inputs", "targets", "decoder_inputs", "inputs_segmentation", "targets_segmentation",
+                        "inputs_position", "targets_position"])
+  b = train_step.random_batch(like, [4, 5, 6], vocab=50, seed=0)
+  assert b["inputs"].shape == (4, 5) and b["targets"].shape == (4, 6)
+  assert set(b) == set(like)
+  np.testing.assert_array_equal(b["decoder_inputs"][:, 0], 1)  # BOS, then the targets shifted right
+  np.testing.assert_array_equal(b["decoder_inputs"][:, 1:], b["targets"][:, :-1])
+  np.testing.assert_array_equal(b["targets_position"][2], np.arange(6))
+  assert b["inputs_segmentation"].all() and b["targets_segmentation"].all()  # every slot real
+  assert 3 <= b["inputs"].min() and b["targets"].max() < 50  # no PAD/BOS/EOS ids, inside the vocab
+
+
+def test_random_lm_batch_shifts_by_one():
+  train_step = _load("train_step")
+  b = train_step.random_batch(dict.fromkeys(["inputs", "targets", "positions", "segment_ids"]), [3, 8], 68, 1)
+  np.testing.assert_array_equal(b["inputs"][:, 1:], b["targets"][:, :-1])
+  np.testing.assert_array_equal(b["positions"][1], np.arange(8))
+  assert b["segment_ids"].shape == (3, 8) and b["segment_ids"].all()
