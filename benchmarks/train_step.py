@@ -40,16 +40,6 @@ from jaxformer import inspect as inspect_lib
 from jaxformer import sharding
 from jaxformer import train
 
-_compiles = []  # backend compile durations (s), from jax.monitoring
-
-
-def _on_duration(event, seconds, **_):
-  if event == "/jax/core/compile/backend_compile_duration":
-    _compiles.append(seconds)
-
-
-jax.monitoring.register_event_duration_secs_listener(_on_duration)
-
 
 def matmul_peak(n=2048, repeats=5):
   """FLOP/s of a jitted float32 [n, n] x [n, n] matmul, best of `repeats`: a practical peak."""
@@ -115,12 +105,12 @@ class Variant:
     n = len(batches) // k
     self.inputs = batches[:n] if k == 1 else [tuple(batches[i * k:(i + 1) * k]) for i in range(n)]
     self.wall, self.cpu, self.faults = [], [], []
-    before = len(_compiles)
+    before = len(train.COMPILES)
     t = time.perf_counter()
     self.state, metrics = self.call(self.state, self.inputs[0])
     jax.block_until_ready(metrics)
     self.first_call = time.perf_counter() - t
-    self.compile_s = sum(_compiles[before:])
+    self.compile_s = sum(train.COMPILES[before:])
 
   def run(self, steps):
     """Runs about `steps` steps; records wall, CPU time and page faults per step."""

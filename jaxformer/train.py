@@ -38,9 +38,9 @@ from jaxformer.errors import UserError, cli
 
 # Every XLA compilation in this process (seconds each), so a run can report how many
 # programs it compiled and how long that took (a new batch shape = a new compilation).
-_COMPILES = []
+COMPILES = []
 jax.monitoring.register_event_duration_secs_listener(
-    lambda event, seconds, **_: _COMPILES.append(seconds)
+    lambda event, seconds, **_: COMPILES.append(seconds)
     if event == "/jax/core/compile/backend_compile_duration" else None)
 
 
@@ -172,7 +172,7 @@ def setup(cfg, workdir, log=print):
 
 def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
   """Trains `cfg` in `workdir` (resuming from its latest checkpoint) and returns final metrics."""
-  compiles_before = len(_COMPILES)
+  compiles_before = len(COMPILES)
   try:
     os.makedirs(workdir, exist_ok=True)
     probe = os.path.join(workdir, f".write-test-{jax.process_index()}")
@@ -294,7 +294,7 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
       log(bleu.format_scores(scores))
       writer.write(step, {f"{split}_bleu": scores["sacrebleu"]["bleu"]})
       result["final_scores"] = scores
-    compiles = _COMPILES[compiles_before:]
+    compiles = COMPILES[compiles_before:]
     result.update(programs_compiled=len(compiles), compile_s=sum(compiles))
     writer.write(step, {"programs_compiled": len(compiles), "compile_s": sum(compiles)})
     log(f"compiled {len(compiles)} XLA programs in {sum(compiles):.1f} s (train/eval steps per batch shape, "

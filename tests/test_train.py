@@ -318,13 +318,13 @@ def test_tiny_lm_loss_goes_down(tmp_path):
                                   "train.num_steps=30", "train.log_every=1", "train.eval_every=1000",
                                   "train.eval_batches=1", "train.sample_every_eval=false",
                                   "train.checkpoint_every=1000", "optim.learning_rate=3e-3"])
-  seen = len(train._COMPILES)  # pylint: disable=protected-access
+  seen = len(train.COMPILES)
   result = train.train_and_evaluate(cfg, str(tmp_path / "run"), log=lambda *a: None)
   nll = [v for _, v in read_metrics(str(tmp_path / "run"), "nll")]
   assert len(nll) == 30
   # The run reports the XLA compilations it made (none after setup's if the persistent cache
   # is warm) and the log's ms/step is the wall time between consecutive log records.
-  assert result["programs_compiled"] == len(train._COMPILES) - seen  # pylint: disable=protected-access
+  assert result["programs_compiled"] == len(train.COMPILES) - seen
   assert read_metrics(str(tmp_path / "run"), "programs_compiled")[0][1] == result["programs_compiled"]
   records = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "step_ms" in r]
   for prev, r in zip(records, records[1:]):
