@@ -21,7 +21,6 @@ sync per call). Medians over each run's intervals.
 """
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -32,6 +31,9 @@ import tempfile
 import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+from jaxformer import metrics  # pylint: disable=g-import-not-at-top
+
 NANOGPT_ARGS = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=20",
                 "--log_interval=1", "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4",
                 "--n_embd=128", "--max_iters=2000", "--lr_decay_iters=2000", "--dropout=0.0"]
@@ -61,7 +63,7 @@ def run_ours(workdir, overrides):
   wall = time.perf_counter() - t
   if proc.returncode:
     sys.exit(f"error: train.py failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:]}")
-  records = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+  records = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
   evals = [r["step"] for r in records if "val_nll" in r]
   logs = [r for r in records if "step_ms" in r]
   # An eval at step s runs after the step-s log, so it lands in the interval that ends next.
