@@ -183,17 +183,22 @@ def make_attention_mask(q_segment, kv_segment, q_slot=None, kv_slot=None):
   return mask[:, None]
 
 
+# Query rows per block when causal attention skips masked key blocks (CPU/TPU path).
+_CAUSAL_BLOCK = 128
+
+
 def dot_product_attention(q, k, v, mask, bias=None, dropout_rate=0.0, dropout_rng=None,
-                          deterministic=True, implementation="auto"):
+                          deterministic=True, implementation="auto", causal=False):
   """softmax(q k^T / sqrt(d_k) + bias) v, the one attention used everywhere.
 
   q [batch, q_len, heads, head_dim]; k, v [batch, kv_len, kv_heads, head_dim] with
   heads a multiple of kv_heads (GQA/MQA); mask [batch, 1|heads, q_len, kv_len] bool;
   bias [batch|1, heads, q_len, kv_len] or None. Returns [batch, q_len, heads, head_dim].
+  `causal=True` promises that the mask hides every key after its query (q_len ==
+  kv_len, aligned): the matmul path then skips the key blocks above the diagonal.
 
   On GPU (and with no attention dropout) it calls `jax.nn.dot_product_attention`, which
-  picks cuDNN flash attention; elsewhere it runs the grouped einsum below, which XLA
-  fuses well on CPU and TPU and which avoids materialising repeated kv heads.
+  picks cuDNN flash attention; elsewhere it runs the head-major matmuls below.
   """
   use_dropout = dropout_rate > 0.0 and not deterministic
   if implementation == "auto":  # None lets JAX pick cuDNN flash attention when it can
@@ -201,19 +206,38 @@ def dot_product_attention(q, k, v, mask, bias=None, dropout_rate=0.0, dropout_rn
   if implementation != "einsum" and not use_dropout:
     return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, implementation=implementation)
   b, t, h, d = q.shape
-  kv_heads = k.shape[2]
-  q = q.reshape(b, t, kv_heads, h // kv_heads, d) * jnp.asarray(d ** -0.5, q.dtype)
-  logits = jnp.einsum("btkgd,bskd->bkgts", q, k).astype(jnp.float32)
-  logits = logits.reshape(b, h, t, k.shape[1])
+  s, kv_heads = k.shape[1], k.shape[2]
+  g = h // kv_heads
+  # Head-major operands [b, kv_heads, rows, d], so both products are batched matmuls
+  # over (b, kv_heads) with no transposes left for XLA to insert around them (on CPU
+  # ~2x faster than einsums over [b, t, h, d]; BENCHMARKS.md). The g query heads that
+  # share a kv head (GQA/MQA) are stacked as extra rows: kv is never repeated.
+  q = (q * jnp.asarray(d ** -0.5, q.dtype)).reshape(b, t, kv_heads, g, d).transpose(0, 2, 3, 1, 4)
+  k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [b, kv_heads, s, d]
+  mask = jnp.broadcast_to(mask, (b, h, t, s))
   if bias is not None:
-    logits = logits + bias
-  logits = jnp.where(mask, logits, _MASK_VALUE)
-  weights = jax.nn.softmax(logits, axis=-1)
-  if use_dropout:
-    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
-    weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
-  weights = weights.astype(v.dtype).reshape(b, kv_heads, h // kv_heads, t, k.shape[1])
-  return jnp.einsum("bkgts,bskd->btkgd", weights, v).reshape(b, t, h, d)
+    bias = jnp.broadcast_to(bias, (b, h, t, s))
+
+  def attend(rows, keys):
+    """Queries `rows` against keys [0, keys): -> [b, kvh, g, len(rows), d]."""
+    qb = q[:, :, :, rows].reshape(b, kv_heads, -1, d)
+    logits = jnp.einsum("bkrd,bksd->bkrs", qb, k[:, :, :keys]).astype(jnp.float32).reshape(b, h, -1, keys)
+    if bias is not None:
+      logits = logits + bias[:, :, rows, :keys]
+    weights = jax.nn.softmax(jnp.where(mask[:, :, rows, :keys], logits, _MASK_VALUE), axis=-1)
+    if use_dropout:
+      keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
+      weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
+    weights = weights.astype(v.dtype).reshape(b, kv_heads, -1, keys)
+    return jnp.matmul(weights, v[:, :, :keys]).reshape(b, kv_heads, g, -1, d)
+
+  if causal and t == s and t >= 2 * _CAUSAL_BLOCK and not use_dropout:
+    # Query block i only sees keys up to its last row: ~half the square for long rows.
+    out = jnp.concatenate([attend(slice(i, min(i + _CAUSAL_BLOCK, t)), min(i + _CAUSAL_BLOCK, t))
+                           for i in range(0, t, _CAUSAL_BLOCK)], axis=3)
+  else:
+    out = attend(slice(None), s)
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 
 class Attention(nn.Module):
@@ -256,7 +280,7 @@ class Attention(nn.Module):
     if cfg.attention_dropout_rate > 0 and not deterministic:
       dropout_rng = self.make_rng("dropout")
     out = dot_product_attention(q, k, v, mask, bias, cfg.attention_dropout_rate, dropout_rng,
-                                deterministic, cfg.attention_impl)
+                                deterministic, cfg.attention_impl, causal=self.causal and not decode)
     out = nn.with_logical_constraint(out, ("batch", "length", "heads", "kv"))
     return dense(cfg, cfg.d_model, ("heads", "kv", "embed"), axis=(-2, -1), name="out")(out)
 

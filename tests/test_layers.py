@@ -22,7 +22,7 @@ def key(seed):
 # Tiny programs: compile once per signature (not op by op), spending little time optimising.
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 attend = jax.jit(layers.dot_product_attention, compiler_options=FAST_COMPILE,
-                 static_argnames=("dropout_rate", "deterministic", "implementation"))
+                 static_argnames=("dropout_rate", "deterministic", "implementation", "causal"))
 
 
 def init(module, *args):
@@ -102,6 +102,32 @@ def test_attention_matches_numpy(impl, kvh, causal):
   real = SEGMENTS != 0  # padding queries see nothing: their output is unspecified (but finite)
   np.testing.assert_allclose(np.asarray(out)[real], ref[real], atol=1e-5, rtol=1e-5)
   assert np.all(np.isfinite(np.asarray(out)))
+
+
+@pytest.mark.parametrize("kvh", [2, 1])
+def test_causal_blocks_match_numpy_and_the_full_square(kvh):
+  """causal=True skips key blocks above the diagonal (rows >= 2 blocks, a ragged last
+  block here): same outputs and gradients as the full masked square, and as numpy."""
+  t = 2 * layers._CAUSAL_BLOCK + 44  # pylint: disable=protected-access
+  q, k, v = random_qkv(seed=8, b=2, t=t, h=4, kvh=kvh, d=4)
+  segments = np.ones((2, t), np.int32)
+  segments[1, 150:] = 2  # a packed second document
+  segments[1, -10:] = 0  # and padding
+  seg, slots = jnp.asarray(segments), jnp.arange(t)
+  mask = layers.make_attention_mask(seg, seg, slots, slots)
+  blocked = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask, implementation="einsum", causal=True)
+  full = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask, implementation="einsum")
+  real = segments != 0
+  ref = np_attention(q, k, v, np_mask(segments, True))
+  np.testing.assert_allclose(np.asarray(blocked)[real], ref[real], atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(blocked), np.asarray(full), atol=1e-6)
+
+  def loss(causal):
+    return jax.jit(jax.grad(lambda q_, k_, v_: jnp.sum(jnp.where(
+        real[:, :, None, None], layers.dot_product_attention(q_, k_, v_, mask, causal=causal), 0.0) ** 2),
+        argnums=(0, 1, 2)), compiler_options=FAST_COMPILE)(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
+  for g_blocked, g_full in zip(loss(True), loss(False)):
+    np.testing.assert_allclose(np.asarray(g_blocked), np.asarray(g_full), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("impl", _IMPLS)
