@@ -18,7 +18,8 @@ wall time.
 Model FLOPs come from `inspect.flops_per_token`: 2 x matmul weights per token plus
 attention, with causal self-attention counted as half the square ((L+1)/2 keys per
 query), and backward = 2 x forward. MFU divides by the device's dense bf16 peak from
-`inspect.DEVICES`, by --peak, or on CPU by a large float32 matmul timed in this run.
+`inspect.DEVICES`, by --peak, or on CPU by a large float32 matmul timed after every round
+(each round's MFU against its own peak; the median is shown).
 """
 
 import argparse
@@ -188,7 +189,7 @@ def main(argv=None):
     peak_note = f"{inspect_lib.device_name(device.device_kind)} dense bf16 x {jax.device_count()}"
   elif device.platform == "cpu":
     n = 1024 if args.fast else 2048
-    peak, peak_note = matmul_peak(n), f"float32 {n}^3 matmul measured now"
+    peak, peak_note = matmul_peak(n), f"float32 {n}^3 matmul, best of 5, re-measured every round"
   else:
     peak, peak_note = None, "unknown"
 
@@ -208,20 +209,30 @@ def main(argv=None):
     for opts in ([{}, options] if options else [{}]):
       name = f"K={k}" + (" +" + ",".join(f"{a}={b}" for a, b in opts.items()) if opts else "")
       variants.append(Variant(name, k, opts, cfg, parts, batches))
+  # On a CPU the matmul peak moves with the machine's load and clock (+/-15% between
+  # runs here), so it is measured again every round and each round's MFU uses its own.
+  peaks = []
   for _ in range(args.rounds):
     for v in variants:
       v.run(args.steps)
+    if peak_note.startswith("float32"):
+      peaks.append(matmul_peak(n))
+  peak_of_round = np.array(peaks) if peaks else np.full(args.rounds, peak or np.nan)
 
   width = max(len(v.name) for v in variants)
   print(f"\n{'variant':<{width}}  ms/step  (min)  cpu ms/step  tokens/s  TFLOP/s    MFU  faults/step"
         f"  compile s  first call s  compilations")
   for v in variants:
     wall = float(np.median(v.wall))
-    mfu = f"{100 * flops_per_step / wall / peak:5.1f}%" if peak else "    -"
+    mfu = (f"{100 * np.median(flops_per_step / np.array(v.wall) / peak_of_round):5.1f}%"
+           if peak else "    -")
     print(f"{v.name:<{width}}  {1e3 * wall:7.2f} {1e3 * min(v.wall):6.2f}  {1e3 * np.median(v.cpu):11.2f}"
           f"  {tokens / wall:8,.0f}  {flops_per_step / wall / 1e12:7.4f}  {mfu}  {np.median(v.faults):11,.0f}"
           f"  {v.compile_s:9.2f}  {v.first_call:12.2f}  {v.jitted._cache_size():12d}")  # pylint: disable=protected-access
   print(f"\n{args.rounds} interleaved rounds x {args.steps} steps per variant; medians (min = best round)")
+  if peaks:
+    print(f"matmul peak per round: {', '.join(f'{p / 1e12:.3f}' for p in peaks)} TFLOP/s; "
+          f"MFU = median over rounds of (model FLOP/s in the round / that round's peak)")
 
 
 if __name__ == "__main__":
