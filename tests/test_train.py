@@ -334,3 +334,21 @@ def test_tiny_lm_loss_goes_down(tmp_path):
   assert abs(np.mean(nll[:2]) - math.log(cfg.model.vocab_size)) < 0.3, nll[:3]
   assert np.mean(nll[-3:]) < np.mean(nll[:3]) - 1.0, nll
   assert result["val_nll"] < nll[0] - 0.5
+
+
+def test_compilation_cache_setting(monkeypatch, tmp_path):
+  """train.py keeps compiled programs in $JAXFORMER_COMPILATION_CACHE; `off` disables it;
+  a cache directory JAX already has (here the test suite's) is left alone."""
+  saved = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")}
+  try:
+    monkeypatch.setenv("JAXFORMER_COMPILATION_CACHE", str(tmp_path / "xla"))
+    assert train.use_compilation_cache() is None  # conftest's cache dir is already set
+    jax.config.update("jax_compilation_cache_dir", None)
+    monkeypatch.setenv("JAXFORMER_COMPILATION_CACHE", "off")
+    assert train.use_compilation_cache() is None and jax.config.jax_compilation_cache_dir is None
+    monkeypatch.setenv("JAXFORMER_COMPILATION_CACHE", str(tmp_path / "xla"))
+    assert train.use_compilation_cache() == str(tmp_path / "xla")
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
+  finally:
+    for k, v in saved.items():
+      jax.config.update(k, v)
