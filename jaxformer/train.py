@@ -298,7 +298,7 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
     result.update(programs_compiled=len(compiles), compile_s=sum(compiles))
     writer.write(step, {"programs_compiled": len(compiles), "compile_s": sum(compiles)})
     log(f"compiled {len(compiles)} XLA programs in {sum(compiles):.1f} s (train/eval steps per batch shape, "
-        f"decoding, sampling)")
+        f"decoding, sampling; programs found in the compilation cache count with their load time)")
   finally:
     stop.restore()
     ckpt.close()
