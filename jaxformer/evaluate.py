@@ -199,6 +199,8 @@ def parse_args(argv):
 def main(argv):
   """The `eval.py` entry point."""
   args = parse_args(argv)
+  from jaxformer import train  # pylint: disable=g-import-not-at-top  (train imports this module)
+  train.use_compilation_cache()  # re-running (e.g. a length-penalty sweep) skips compiling
   if args.hyp or args.ref:
     if not (args.hyp and args.ref):
       raise UserError("scoring mode needs both --hyp FILE and --ref FILE")

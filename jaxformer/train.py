@@ -333,7 +333,8 @@ def _under_mesh(mesh, jitted):
 
 
 def use_compilation_cache():
-  """Keeps compiled XLA programs on disk, so re-running a command skips compilation.
+  """Keeps compiled XLA programs on disk, so re-running a command skips compilation
+  (train.py, eval.py and `python -m jaxformer.generate` call it first).
 
   Directory: $JAXFORMER_COMPILATION_CACHE, default ~/.cache/jaxformer/xla; `off` turns
   it off. Left alone when JAX already has a cache directory (JAX_COMPILATION_CACHE_DIR,
