@@ -1,9 +1,10 @@
 """The baby GPT's matmul shapes alone: JAX (XLA:CPU) vs PyTorch, each at its best.
 
-    python benchmarks/matmul_shapes.py               # JAX
-    TORCH_PY benchmarks/matmul_shapes.py --torch     # the same shapes in PyTorch (2 threads)
+    python benchmarks/matmul_shapes.py [--dtype bfloat16]   # JAX
+    TORCH_PY benchmarks/matmul_shapes.py --torch            # the same shapes in PyTorch (2 threads)
 
-Times one float32 [m, k] x [k, n] product per call (median of 7 rounds of 200 calls,
+Times one [m, k] x [k, n] product per call (float32; --dtype bfloat16: bf16 operands with
+float32 accumulation and output, as on CPUs with AMX) (median of 7 rounds of 200 calls,
 per-call dispatch included: ~10 us on either side) for the products in one
 `shakespeare_char` training step (12 x 64 = 768 tokens, d_model 128, d_ff 512, vocab
 68), plus the 2048^3 product that `train_step.py` uses as the CPU peak. It shows where
@@ -45,6 +46,7 @@ def timer(matmul, make):
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--torch", action="store_true", help="time PyTorch instead of JAX")
+  parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="JAX operand dtype")
   args = parser.parse_args()
   if args.torch:
     import torch  # pylint: disable=g-import-not-at-top
@@ -56,10 +58,10 @@ def main():
   else:
     import jax  # pylint: disable=g-import-not-at-top
     import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-    matmul = jax.jit(jnp.matmul)
+    matmul = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
     matmul.sync = lambda out: out.block_until_ready()
-    make = lambda r, c: jax.random.normal(jax.random.key(r * c), (r, c), jnp.float32)
-    name = f"jax {jax.__version__}, {jax.devices()[0].device_kind}"
+    make = lambda r, c: jax.random.normal(jax.random.key(r * c), (r, c), jnp.float32).astype(args.dtype)
+    name = f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {args.dtype} operands"
   run = timer(matmul, make)
   print(f"{name} ({os.cpu_count()} CPUs)")
   for m, k, n, what in SHAPES:
