@@ -49,6 +49,7 @@ class ModelConfig:
   dropout_rate: float = 0.1         # residual + embedding dropout (paper's P_drop)
   attention_dropout_rate: float = 0.0
   dtype: str = "float32"            # compute dtype; parameters stay float32
+  matmul_dtype: str = "float32"     # bfloat16: products on bf16 operands, f32 accumulation (CPU/TPU path)
   attention_impl: str = "auto"      # auto | xla | cudnn | einsum
 
   @property
@@ -263,6 +264,7 @@ def _validate(cfg):
              "norm": ("layernorm", "rmsnorm"), "norm_position": ("post", "pre"),
              "position": ("sinusoidal", "learned", "rope", "alibi", "none"),
              "rope_scaling": ("none", "ntk", "yarn", "llama3"), "dtype": ("float32", "bfloat16"),
+             "matmul_dtype": ("float32", "bfloat16"),
              "attention_impl": ("auto", "xla", "cudnn", "einsum"), "sinusoidal_layout": ("interleaved", "concat"),
              "kernel_init": ("xavier_uniform", "normal")}
   for field, allowed in choices.items():

@@ -5,6 +5,7 @@ Every parameter carries logical axis names (`vocab`, `embed`, `heads`, `kv_heads
 nothing here mentions devices. Parameters are float32; compute runs in `cfg.dtype`.
 """
 
+import functools
 import math
 
 import flax.linen as nn
@@ -45,6 +46,44 @@ def kernel_init(cfg: ModelConfig):
   return nn.initializers.xavier_uniform()
 
 
+def _transposed_specs(spec):
+  """"ab,bc->ac" -> the einsums giving each operand's gradient: ("ac,bc->ab", "ab,ac->bc")."""
+  inputs, out = spec.split("->")
+  a, b = inputs.split(",")
+  return f"{out},{b}->{a}", f"{a},{out}->{b}"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def _lowp_einsum(spec, a, b, dtype):
+  return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
+
+
+def _lowp_einsum_fwd(spec, a, b, dtype):
+  a_low, b_low = a.astype(dtype), b.astype(dtype)
+  return jnp.einsum(spec, a_low, b_low, preferred_element_type=jnp.float32), (a_low, b_low)
+
+
+def _lowp_einsum_bwd(spec, dtype, saved, g):
+  a_low, b_low = saved
+  g_low = g.astype(dtype)
+  spec_a, spec_b = _transposed_specs(spec)
+  return (jnp.einsum(spec_a, g_low, b_low, preferred_element_type=jnp.float32),
+          jnp.einsum(spec_b, a_low, g_low, preferred_element_type=jnp.float32))
+
+
+_lowp_einsum.defvjp(_lowp_einsum_fwd, _lowp_einsum_bwd)
+
+
+def einsum(spec, a, b, matmul_dtype="float32"):
+  """jnp.einsum of two operands; with matmul_dtype "bfloat16" and float32 operands the
+  product runs on bf16 copies of them with float32 accumulation, and so do both gradient
+  products (float32 results): a TPU's default matmul precision, and AMX on recent x86 CPUs.
+  Everything around the products stays float32."""
+  if matmul_dtype == "float32" or a.dtype != jnp.float32 or b.dtype != jnp.float32:
+    return jnp.einsum(spec, a, b)
+  return _lowp_einsum(spec, a, b, jnp.dtype(matmul_dtype))
+
+
 class TokenDense(nn.DenseGeneral):
   """DenseGeneral over trailing `axis` that runs as one 2-D matmul on [tokens, features].
 
@@ -59,11 +98,23 @@ class TokenDense(nn.DenseGeneral):
     return y.reshape(*x.shape[:x.ndim - n_in], *y.shape[1:])
 
 
+def _dot_general(matmul_dtype):
+  """DenseGeneral's product through `einsum`: lhs [tokens, *in] . kernel [*in, *out]."""
+  def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    del precision, preferred_element_type
+    (contract, _), _ = dimension_numbers
+    k = math.prod(lhs.shape[i] for i in contract)
+    out = einsum("nk,kf->nf", lhs.reshape(lhs.shape[0], k), rhs.reshape(k, -1), matmul_dtype)
+    return out.reshape(lhs.shape[0], *rhs.shape[len(contract):])
+  return dot_general
+
+
 def dense(cfg, features, names, axis=-1, name=None, use_bias=None):
   """TokenDense with logical names on kernel (`names`) and bias (the output names)."""
   n_out = len(features) if isinstance(features, tuple) else 1
+  low = {} if cfg.matmul_dtype == "float32" else {"dot_general": _dot_general(cfg.matmul_dtype)}
   return TokenDense(
-      features, axis=axis, use_bias=cfg.use_bias if use_bias is None else use_bias,
+      features, axis=axis, **low, use_bias=cfg.use_bias if use_bias is None else use_bias,
       dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.float32, name=name,
       kernel_init=_param(kernel_init(cfg), names),
       bias_init=_param(nn.initializers.zeros, names[-n_out:]))
@@ -91,7 +142,8 @@ class Embed(nn.Module):
 
   def attend(self, x):
     """x [batch, length, d_model] -> logits [batch, length, vocab] (float32)."""
-    logits = x.reshape(-1, x.shape[-1]) @ self.embedding.astype(x.dtype).T  # 2-D, as in TokenDense
+    logits = einsum("nd,vd->nv", x.reshape(-1, x.shape[-1]), self.embedding.astype(x.dtype),
+                    self.cfg.matmul_dtype)  # 2-D, as in TokenDense
     return logits.reshape(*x.shape[:-1], -1).astype(jnp.float32)
 
 
@@ -188,7 +240,7 @@ _CAUSAL_BLOCK = 128
 
 
 def dot_product_attention(q, k, v, mask, bias=None, dropout_rate=0.0, dropout_rng=None,
-                          deterministic=True, implementation="auto", causal=False):
+                          deterministic=True, implementation="auto", causal=False, matmul_dtype="float32"):
   """softmax(q k^T / sqrt(d_k) + bias) v, the one attention used everywhere.
 
   q [batch, q_len, heads, head_dim]; k, v [batch, kv_len, kv_heads, head_dim] with
@@ -196,6 +248,7 @@ def dot_product_attention(q, k, v, mask, bias=None, dropout_rate=0.0, dropout_rn
   bias [batch|1, heads, q_len, kv_len] or None. Returns [batch, q_len, heads, head_dim].
   `causal=True` promises that the mask hides every key after its query (q_len ==
   kv_len, aligned): the matmul path then skips the key blocks above the diagonal.
+  `matmul_dtype` as in `einsum` (the matmul path only).
 
   On GPU (and with no attention dropout) it calls `jax.nn.dot_product_attention`, which
   picks cuDNN flash attention; elsewhere it runs the head-major matmuls below.
@@ -221,7 +274,7 @@ def dot_product_attention(q, k, v, mask, bias=None, dropout_rate=0.0, dropout_rn
   def attend(rows, keys):
     """Queries `rows` against keys [0, keys): -> [b, kvh, g, len(rows), d]."""
     qb = q[:, :, :, rows].reshape(b, kv_heads, -1, d)
-    logits = jnp.einsum("bkrd,bksd->bkrs", qb, k[:, :, :keys]).astype(jnp.float32).reshape(b, h, -1, keys)
+    logits = einsum("bkrd,bksd->bkrs", qb, k[:, :, :keys], matmul_dtype).astype(jnp.float32).reshape(b, h, -1, keys)
     if bias is not None:
       logits = logits + bias[:, :, rows, :keys]
     weights = jax.nn.softmax(jnp.where(mask[:, :, rows, :keys], logits, _MASK_VALUE), axis=-1)
@@ -229,7 +282,7 @@ def dot_product_attention(q, k, v, mask, bias=None, dropout_rate=0.0, dropout_rn
       keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
       weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
     weights = weights.astype(v.dtype).reshape(b, kv_heads, -1, keys)
-    return jnp.matmul(weights, v[:, :, :keys]).reshape(b, kv_heads, g, -1, d)
+    return einsum("bkrs,bksd->bkrd", weights, v[:, :, :keys], matmul_dtype).reshape(b, kv_heads, g, -1, d)
 
   if causal and t == s and t >= 2 * _CAUSAL_BLOCK and not use_dropout:
     # Query block i only sees keys up to its last row: ~half the square for long rows.
@@ -280,7 +333,8 @@ class Attention(nn.Module):
     if cfg.attention_dropout_rate > 0 and not deterministic:
       dropout_rng = self.make_rng("dropout")
     out = dot_product_attention(q, k, v, mask, bias, cfg.attention_dropout_rate, dropout_rng,
-                                deterministic, cfg.attention_impl, causal=self.causal and not decode)
+                                deterministic, cfg.attention_impl, causal=self.causal and not decode,
+                                matmul_dtype=cfg.matmul_dtype)
     out = nn.with_logical_constraint(out, ("batch", "length", "heads", "kv"))
     return dense(cfg, cfg.d_model, ("heads", "kv", "embed"), axis=(-2, -1), name="out")(out)
 

@@ -382,3 +382,27 @@ def test_norm(kind):
   else:
     ref = xn / np.sqrt((xn ** 2).mean(-1, keepdims=True) + 1e-6)
   np.testing.assert_allclose(out, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec,shapes", [("nk,kf->nf", ((6, 8), (8, 5))),
+                                         ("bkrd,bksd->bkrs", ((2, 3, 5, 8), (2, 3, 7, 8))),
+                                         ("bkrs,bksd->bkrd", ((2, 3, 5, 7), (2, 3, 7, 8)))])
+def test_bf16_matmul_einsum_matches_numpy_on_bf16_operands(spec, shapes):
+  """matmul_dtype=bfloat16: the product and both gradient products run on bf16-rounded
+  operands with float32 results (numpy in float64 on the same rounded values)."""
+  import ml_dtypes  # pylint: disable=g-import-not-at-top  (a jax dependency)
+  rng = np.random.default_rng(9)
+  a, b = (rng.normal(size=s).astype(np.float32) for s in shapes)
+  low = lambda x: np.asarray(x).astype(ml_dtypes.bfloat16).astype(np.float64)
+  out, vjp = jax.vjp(lambda x, y: layers.einsum(spec, x, y, "bfloat16"), jnp.asarray(a), jnp.asarray(b))
+  g = rng.normal(size=out.shape).astype(np.float32)
+  ga, gb = vjp(jnp.asarray(g))
+  spec_a, spec_b = layers._transposed_specs(spec)  # pylint: disable=protected-access
+  assert out.dtype == ga.dtype == gb.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(out), np.einsum(spec, low(a), low(b)), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(ga), np.einsum(spec_a, low(g), low(b)), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(gb), np.einsum(spec_b, low(a), low(g)), rtol=1e-5, atol=1e-5)
+  # ... which is not the float32 product (the rounding is real), and float32 mode is plain einsum.
+  assert not np.allclose(np.asarray(out), np.einsum(spec, a, b), rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(layers.einsum(spec, jnp.asarray(a), jnp.asarray(b))),
+                                np.asarray(jnp.einsum(spec, a, b)))

@@ -308,3 +308,23 @@ def test_every_param_has_logical_axis_names(name, overrides):
   assert ("vocab", "embed") in names and ("embed", "kv_heads", "kv") in names
   if not model.cfg.tie_output:
     assert ("embed", "vocab") in names
+
+
+@pytest.mark.parametrize("name", ["llama_tiny", "tiny_encdec"])
+def test_bf16_matmuls_in_the_model(name):
+  """model.matmul_dtype=bfloat16 (dense layers, attention, tied logits on bf16 operands):
+  logits and float32 gradients within bf16 rounding of the float32 model's, not equal to them."""
+  model, params = make(name)
+  low, _ = make(name, matmul_dtype="bfloat16")
+  args = init_args(model)
+
+  def loss_and_grads(m):
+    f = lambda p: jnp.mean(jnp.square(m.apply({"params": p}, *args)))
+    return jax.jit(jax.value_and_grad(f))(params)
+
+  (ref, ref_g), (out, out_g) = loss_and_grads(model), loss_and_grads(low)
+  assert out != ref and abs(out - ref) < 2e-2 * abs(ref)
+  assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(out_g))
+  flat = lambda t: np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)])
+  g, rg = flat(out_g), flat(ref_g)
+  assert 0 < np.linalg.norm(g - rg) < 3e-2 * np.linalg.norm(rg)
