@@ -2,7 +2,7 @@
 
     python benchmarks/train_step.py --config shakespeare_char [overrides ...]
         [--steps-per-call 1,25] [--xla-option KEY=VALUE ...] [--rounds 7] [--steps 50]
-        [--peak TFLOPS] [--batch B,S,T] [--fast]
+        [--peak TFLOPS] [--batch B,S,T] [--also 'model.matmul_dtype=bfloat16'] [--fast]
 
 Each variant (every --steps-per-call value, each also with the --xla-option compiler
 options when given) runs interleaved in one process, A, B, A, B, ..., and the figures
@@ -11,15 +11,18 @@ jitted step (the trainer's own `make_train_step`/`make_multi_step`); batches are
 and put on the device beforehand (benchmarks/input_pipeline.py measures the data side).
 With --batch B,S,T (translation) or B,T (LM) the batches are random tokens of exactly
 that shape with no padding, e.g. `--config multi30k <wmt_base sizes> --batch 64,24,24`
-for Multi30k-length sentences (the data still builds the tokenizer).
+for Multi30k-length sentences (the data still builds the tokenizer). --also 'OVERRIDES' adds
+a variant per K: the same batches through a model built with those extra overrides (e.g.
+`--also model.matmul_dtype=bfloat16`), interleaved with the others.
 CPU ms/step is the process's CPU time (all threads): under load it is steadier than
 wall time.
 
 Model FLOPs come from `inspect.flops_per_token`: 2 x matmul weights per token plus
 attention, with causal self-attention counted as half the square ((L+1)/2 keys per
 query), and backward = 2 x forward. MFU divides by the device's dense bf16 peak from
-`inspect.DEVICES`, by --peak, or on CPU by a large float32 matmul timed after every round
-(each round's MFU against its own peak; the median is shown).
+`inspect.DEVICES`, by --peak, or on CPU by a large matmul timed after every round (float32,
+or bf16 operands for a model whose matmuls are bf16: model.dtype or model.matmul_dtype);
+each round's MFU uses its own round's peak and the median is shown.
 """
 
 import argparse
@@ -42,10 +45,11 @@ from jaxformer import sharding
 from jaxformer import train
 
 
-def matmul_peak(n=2048, repeats=5):
-  """FLOP/s of a jitted float32 [n, n] x [n, n] matmul, best of `repeats`: a practical peak."""
-  a, b = (jax.random.normal(jax.random.key(i), (n, n), jnp.float32) for i in range(2))
-  f = jax.jit(jnp.matmul)
+def matmul_peak(n=2048, repeats=5, dtype="float32"):
+  """FLOP/s of a jitted [n, n] x [n, n] matmul (operands in `dtype`, float32 accumulation),
+  best of `repeats`: a practical peak."""
+  a, b = (jax.random.normal(jax.random.key(i), (n, n), jnp.float32).astype(dtype) for i in range(2))
+  f = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
   f(a, b).block_until_ready()
   best = float("inf")
   for _ in range(repeats):
@@ -89,12 +93,17 @@ def random_batch(like, shape, vocab, seed):
   return {k: out[k] for k in like}
 
 
+def _low_precision(cfg):
+  """The operand dtype of the model's matmuls: "bfloat16" when model.dtype or model.matmul_dtype is."""
+  return "bfloat16" if "bfloat16" in (cfg.model.dtype, cfg.model.matmul_dtype) else "float32"
+
+
 class Variant:
   """One jitted train step (K steps per call) with its own state and timings."""
 
   def __init__(self, name, k, options, cfg, parts, batches):
     mesh, task, model, tx, schedule, init_fn, rng, state_sharding = parts
-    self.name, self.k = name, k
+    self.name, self.k, self.cfg = name, k, cfg
     step = train.make_train_step(model, task, cfg, tx, schedule)
     fn = step if k == 1 else train.make_multi_step(step)
     # As in train.train_and_evaluate, so the step compiles once.
@@ -135,6 +144,9 @@ def main(argv=None):
   parser.add_argument("--xla-option", action="append", default=[],
                       help="XLA debug option KEY=VALUE for extra variants, e.g. "
                            "xla_cpu_experimental_ynn_fusion_type= (repeatable; all go into one variant)")
+  parser.add_argument("--also", action="append", default=[],
+                      help="extra model overrides for another variant on the same batches, e.g. "
+                           "'model.matmul_dtype=bfloat16' (repeatable; space-separated overrides)")
   parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (median over them)")
   parser.add_argument("--steps", type=int, default=50, help="steps per variant per round")
   parser.add_argument("--peak", type=float, default=None, help="peak TFLOP/s for MFU (overrides the lookup)")
@@ -146,6 +158,9 @@ def main(argv=None):
     args.rounds, args.steps = 2, 4
 
   cfg = config_lib.load_config(args.config, args.overrides)
+  alsos = [(also, config_lib.load_config(args.config, args.overrides + also.split())) for also in args.also]
+  if any(cfg_also.data != cfg.data for _, cfg_also in alsos):
+    raise SystemExit("error: --also may change the model (or optimizer), not the data: the variants share batches")
   ks = sorted({1, cfg.train.steps_per_call}) if args.steps_per_call is None else [
       int(k) for k in args.steps_per_call.split(",")]
   if args.fast:
@@ -190,6 +205,8 @@ def main(argv=None):
   elif device.platform == "cpu":
     n = 1024 if args.fast else 2048
     peak, peak_note = matmul_peak(n), f"float32 {n}^3 matmul, best of 5, re-measured every round"
+    if any(_low_precision(c) for c in [cfg] + [c for _, c in alsos]):
+      peak_note += "; bf16 variants against a bf16-operand matmul"
   else:
     peak, peak_note = None, "unknown"
 
@@ -209,29 +226,35 @@ def main(argv=None):
     for opts in ([{}, options] if options else [{}]):
       name = f"K={k}" + (" +" + ",".join(f"{a}={b}" for a, b in opts.items()) if opts else "")
       variants.append(Variant(name, k, opts, cfg, parts, batches))
+    for also, cfg_also in alsos:  # the same batches through a model built with more overrides
+      *setup_also, _, state_sharding_also = train.setup(cfg_also, workdir, log=lambda *a: None)
+      parts_also = (*setup_also[:7], state_sharding_also)
+      variants.append(Variant(f"K={k} +{also}", k, {}, cfg_also, parts_also, batches))
   # On a CPU the matmul peak moves with the machine's load and clock (+/-15% between
   # runs here), so it is measured again every round and each round's MFU uses its own.
-  peaks = []
+  # bf16 matmuls (model.dtype or model.matmul_dtype) are measured against a bf16 peak.
+  peaks = {dtype: [] for dtype in {_low_precision(v.cfg) for v in variants}}
   for _ in range(args.rounds):
     for v in variants:
       v.run(args.steps)
     if peak_note.startswith("float32"):
-      peaks.append(matmul_peak(n))
-  peak_of_round = np.array(peaks) if peaks else np.full(args.rounds, peak or np.nan)
+      for dtype, values in peaks.items():
+        values.append(matmul_peak(n, dtype=dtype))
 
   width = max(len(v.name) for v in variants)
   print(f"\n{'variant':<{width}}  ms/step  (min)  cpu ms/step  tokens/s  TFLOP/s    MFU  faults/step"
         f"  compile s  first call s  compilations")
   for v in variants:
     wall = float(np.median(v.wall))
+    peak_of_round = np.array(peaks[_low_precision(v.cfg)]) if peak_note.startswith("float32") else peak
     mfu = (f"{100 * np.median(flops_per_step / np.array(v.wall) / peak_of_round):5.1f}%"
            if peak else "    -")
     print(f"{v.name:<{width}}  {1e3 * wall:7.2f} {1e3 * min(v.wall):6.2f}  {1e3 * np.median(v.cpu):11.2f}"
           f"  {tokens / wall:8,.0f}  {flops_per_step / wall / 1e12:7.4f}  {mfu}  {np.median(v.faults):11,.0f}"
           f"  {v.compile_s:9.2f}  {v.first_call:12.2f}  {v.jitted._cache_size():12d}")  # pylint: disable=protected-access
   print(f"\n{args.rounds} interleaved rounds x {args.steps} steps per variant; medians (min = best round)")
-  if peaks:
-    print(f"matmul peak per round: {', '.join(f'{p / 1e12:.3f}' for p in peaks)} TFLOP/s; "
+  for dtype, values in peaks.items() if peak_note.startswith("float32") else ():
+    print(f"{dtype} matmul peak per round: {', '.join(f'{p / 1e12:.3f}' for p in values)} TFLOP/s; "
           f"MFU = median over rounds of (model FLOP/s in the round / that round's peak)")
 
 

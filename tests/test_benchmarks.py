@@ -4,6 +4,7 @@ import importlib.util
 import os
 
 import numpy as np
+import pytest
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
@@ -35,3 +36,10 @@ def test_random_lm_batch_shifts_by_one():
   np.testing.assert_array_equal(b["inputs"][:, 1:], b["targets"][:, :-1])
   np.testing.assert_array_equal(b["positions"][1], np.arange(8))
   assert b["segment_ids"].shape == (3, 8) and b["segment_ids"].all()
+
+
+def test_train_step_also_rejects_a_data_change():
+  """--also variants share the batches, so an override of the data is refused up front."""
+  train_step = _load("train_step")
+  with pytest.raises(SystemExit, match="not the data"):
+    train_step.main(["--config", "gpt2_tiny", "--also", "data.batch_size=3", "--fast"])
