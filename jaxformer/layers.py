@@ -47,7 +47,10 @@ def kernel_init(cfg: ModelConfig):
 
 
 def _transposed_specs(spec):
-  """"ab,bc->ac" -> the einsums giving each operand's gradient: ("ac,bc->ab", "ab,ac->bc")."""
+  """"ab,bc->ac" -> the einsums giving each operand's gradient: ("ac,bc->ab", "ab,ac->bc").
+
+  Valid when every index of an operand is in the other operand or in the output.
+  """
   inputs, out = spec.split("->")
   a, b = inputs.split(",")
   return f"{out},{b}->{a}", f"{a},{out}->{b}"
@@ -102,7 +105,10 @@ def _dot_general(matmul_dtype):
   """DenseGeneral's product through `einsum`: lhs [tokens, *in] . kernel [*in, *out]."""
   def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
     del precision, preferred_element_type
-    (contract, _), _ = dimension_numbers
+    (contract, rhs_contract), _ = dimension_numbers
+    if tuple(contract) != tuple(range(lhs.ndim - len(contract), lhs.ndim)) or \
+        tuple(rhs_contract) != tuple(range(len(contract))):
+      raise ValueError(f"matmul_dtype path expects trailing lhs / leading kernel axes, got {dimension_numbers}")
     k = math.prod(lhs.shape[i] for i in contract)
     out = einsum("nk,kf->nf", lhs.reshape(lhs.shape[0], k), rhs.reshape(k, -1), matmul_dtype)
     return out.reshape(lhs.shape[0], *rhs.shape[len(contract):])
