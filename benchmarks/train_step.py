@@ -93,7 +93,7 @@ def random_batch(like, shape, vocab, seed):
   return {k: out[k] for k in like}
 
 
-def _low_precision(cfg):
+def _matmul_dtype(cfg):
   """The operand dtype of the model's matmuls: "bfloat16" when model.dtype or model.matmul_dtype is."""
   return "bfloat16" if "bfloat16" in (cfg.model.dtype, cfg.model.matmul_dtype) else "float32"
 
@@ -197,6 +197,7 @@ def main(argv=None):
   batches = [sharding.global_batch(b, sharding.batch_sharding(mesh)) for b in batches]
 
   device = jax.devices()[0]
+  measure_peak = False  # on CPU: a matmul timed after every round, per operand dtype
   if args.peak:
     peak, peak_note = args.peak * 1e12, "--peak"
   elif inspect_lib.peak_flops(device.device_kind):
@@ -204,8 +205,9 @@ def main(argv=None):
     peak_note = f"{inspect_lib.device_name(device.device_kind)} dense bf16 x {jax.device_count()}"
   elif device.platform == "cpu":
     n = 1024 if args.fast else 2048
+    measure_peak = True
     peak, peak_note = matmul_peak(n), f"float32 {n}^3 matmul, best of 5, re-measured every round"
-    if any(_low_precision(c) for c in [cfg] + [c for _, c in alsos]):
+    if any(_matmul_dtype(c) == "bfloat16" for c in [cfg] + [c for _, c in alsos]):
       peak_note += "; bf16 variants against a bf16-operand matmul"
   else:
     peak, peak_note = None, "unknown"
@@ -233,27 +235,26 @@ def main(argv=None):
   # On a CPU the matmul peak moves with the machine's load and clock (+/-15% between
   # runs here), so it is measured again every round and each round's MFU uses its own.
   # bf16 matmuls (model.dtype or model.matmul_dtype) are measured against a bf16 peak.
-  peaks = {dtype: [] for dtype in {_low_precision(v.cfg) for v in variants}}
+  peaks = {dtype: [] for dtype in {_matmul_dtype(v.cfg) for v in variants}} if measure_peak else {}
   for _ in range(args.rounds):
     for v in variants:
       v.run(args.steps)
-    if peak_note.startswith("float32"):
-      for dtype, values in peaks.items():
-        values.append(matmul_peak(n, dtype=dtype))
+    for dtype, values in peaks.items():
+      values.append(matmul_peak(n, dtype=dtype))
 
   width = max(len(v.name) for v in variants)
   print(f"\n{'variant':<{width}}  ms/step  (min)  cpu ms/step  tokens/s  TFLOP/s    MFU  faults/step"
         f"  compile s  first call s  compilations")
   for v in variants:
     wall = float(np.median(v.wall))
-    peak_of_round = np.array(peaks[_low_precision(v.cfg)]) if peak_note.startswith("float32") else peak
+    peak_of_round = np.array(peaks[_matmul_dtype(v.cfg)]) if measure_peak else peak
     mfu = (f"{100 * np.median(flops_per_step / np.array(v.wall) / peak_of_round):5.1f}%"
            if peak else "    -")
     print(f"{v.name:<{width}}  {1e3 * wall:7.2f} {1e3 * min(v.wall):6.2f}  {1e3 * np.median(v.cpu):11.2f}"
           f"  {tokens / wall:8,.0f}  {flops_per_step / wall / 1e12:7.4f}  {mfu}  {np.median(v.faults):11,.0f}"
           f"  {v.compile_s:9.2f}  {v.first_call:12.2f}  {v.jitted._cache_size():12d}")  # pylint: disable=protected-access
   print(f"\n{args.rounds} interleaved rounds x {args.steps} steps per variant; medians (min = best round)")
-  for dtype, values in peaks.items() if peak_note.startswith("float32") else ():
+  for dtype, values in peaks.items():
     print(f"{dtype} matmul peak per round: {', '.join(f'{p / 1e12:.3f}' for p in values)} TFLOP/s; "
           f"MFU = median over rounds of (model FLOP/s in the round / that round's peak)")
 

@@ -2,7 +2,8 @@
 
 Every parameter carries logical axis names (`vocab`, `embed`, `heads`, `kv_heads`,
 `kv`, `mlp`, `norm`, `length`); `jaxformer.sharding` maps them to mesh axes, so
-nothing here mentions devices. Parameters are float32; compute runs in `cfg.dtype`.
+nothing here mentions devices. Parameters are float32; compute runs in `cfg.dtype`, the
+products on `cfg.matmul_dtype` operands (see `einsum`).
 """
 
 import functools
