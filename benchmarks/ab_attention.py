@@ -50,6 +50,7 @@ def main():
   parser.add_argument("--rounds", type=int, default=8)
   parser.add_argument("--steps", type=int, default=50)
   args = parser.parse_args()
+  train.keep_freed_memory()
   old = load_revision(args.before).dot_product_attention
   new = layers.dot_product_attention
   cfg = config_lib.load_config(args.config, args.overrides)

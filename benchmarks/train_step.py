@@ -154,6 +154,7 @@ def main(argv=None):
                       help="B,S,T (translation) or B,T (LM): random full batches of this shape instead of data")
   parser.add_argument("--fast", action="store_true", help="smoke run: 2 rounds, few steps, small matmul")
   args = parser.parse_args(argv)
+  kept = train.keep_freed_memory()  # as train.py does (JAXFORMER_KEEP_MEMORY=off: glibc's default)
   if args.fast:
     args.rounds, args.steps = 2, 4
 
@@ -214,7 +215,8 @@ def main(argv=None):
 
   m = cfg.model
   print(f"{datetime.date.today()} | jax {jax.__version__} | {jax.device_count()} x {device.device_kind} "
-        f"({os.cpu_count()} CPUs) | XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+        f"({os.cpu_count()} CPUs) | XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r} | "
+        f"freed memory {'kept' if kept else 'returned to the OS'}")
   print(f"config {cfg.name}: {m.arch}, {m.num_layers} layers, d_model {m.d_model}, {m.num_heads} heads, "
         f"d_ff {m.d_ff}, vocab {m.vocab_size}, {m.dtype}; batch {tuple(first['inputs'].shape)}, "
         f"{tokens:,.0f} tokens/step")

@@ -200,6 +200,7 @@ def main(argv):
   """The `eval.py` entry point."""
   args = parse_args(argv)
   from jaxformer import train  # pylint: disable=g-import-not-at-top  (train imports this module)
+  train.keep_freed_memory()
   train.use_compilation_cache()  # re-running (e.g. a length-penalty sweep) skips compiling
   if args.hyp or args.ref:
     if not (args.hyp and args.ref):

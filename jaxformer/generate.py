@@ -51,6 +51,7 @@ def main(argv):
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--step", type=int, default=None)
   args = parser.parse_args(argv)
+  train.keep_freed_memory()
   train.use_compilation_cache()
   cfg, model, params, tokenizer, _ = evaluate.load_run(args.workdir, step=args.step, log=lambda *_: None)
   if cfg.model.arch != "decoder_only":

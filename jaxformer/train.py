@@ -8,6 +8,7 @@ run restarted from a checkpoint continues exactly as if it had never stopped.
 """
 
 import argparse
+import ctypes
 import functools
 import json
 import os
@@ -349,6 +350,30 @@ def use_compilation_cache():
   return path
 
 
+def keep_freed_memory():
+  """Keeps freed host memory in the process for reuse (glibc), so XLA:CPU's per-call
+  temporaries stop costing page faults (train.py, eval.py and `jaxformer.generate` call
+  it first).
+
+  By default glibc serves an allocation over 32 MiB with a fresh mmap, unmaps it on
+  free and trims its heaps, so every jitted call faults its scratch buffers in again:
+  13k faults per step for the baby GPT (`shakespeare_char`) at one step per call, which
+  made that call 13-35% slower on 2 CPU cores. No mmap and no trimming keep them, as
+  tcmalloc does; the process keeps its peak footprint, as a GPU allocator does.
+  Temporaries over 64 MiB made on XLA's threads are still mapped per call (glibc's
+  per-thread heaps stop there, and one arena for all threads made compiling 30-40%
+  slower): tcmalloc removes those too (BENCHMARKS.md). JAXFORMER_KEEP_MEMORY=off turns it off. Returns whether it applied.
+  """
+  if os.environ.get("JAXFORMER_KEEP_MEMORY", "on").lower() in ("", "off", "none", "0"):
+    return False
+  try:
+    mallopt = ctypes.CDLL("libc.so.6").mallopt
+  except (OSError, AttributeError):  # not glibc (macOS, musl)
+    return False
+  m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
+  return mallopt(m_mmap_max, 0) == 1 and mallopt(m_trim_threshold, 2 ** 31 - 1) == 1
+
+
 def maybe_initialize_distributed(multihost=False):
   """Joins a multi-process job (one process per host): with --multihost, or when
   JAX_COORDINATOR_ADDRESS is set. Returns whether it did.
@@ -418,6 +443,7 @@ def parse_args(argv):
 def main(argv):
   """`python train.py [--config NAME] [--workdir DIR] [key=value ...]`."""
   args = parse_args(argv)
+  keep_freed_memory()
   maybe_initialize_distributed(args.multihost)
   use_compilation_cache()
   cfg = config_lib.load_config(args.config, args.overrides)

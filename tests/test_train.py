@@ -3,6 +3,9 @@
 import json
 import math
 import os
+import platform
+import subprocess
+import sys
 import types
 
 import flax.linen as nn
@@ -334,6 +337,42 @@ def test_tiny_lm_loss_goes_down(tmp_path):
   assert abs(np.mean(nll[:2]) - math.log(cfg.model.vocab_size)) < 0.3, nll[:3]
   assert np.mean(nll[-3:]) < np.mean(nll[:3]) - 1.0, nll
   assert result["val_nll"] < nll[0] - 0.5
+
+
+_FAULTS_PROBE = r"""
+import ctypes, resource, sys, threading
+sys.path.insert(0, sys.argv[1])
+from jaxformer import train
+applied = train.keep_freed_memory()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+size = 48 << 20  # a scratch buffer (glibc maps over 32 MiB), allocated and freed 4 times off the main thread
+def work():
+  for _ in range(4):
+    p = libc.malloc(size); ctypes.memset(p, 1, size); libc.free(p)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+thread = threading.Thread(target=work); thread.start(); thread.join()
+print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt settings are glibc's")
+def test_keep_freed_memory_stops_refaulting():
+  """With keep_freed_memory() a big buffer freed and allocated again is reused (faulted
+  in once); with JAXFORMER_KEEP_MEMORY=off glibc unmaps it and every allocation faults."""
+  def faults(setting):
+    env = dict(os.environ, JAXFORMER_KEEP_MEMORY=setting)
+    out = subprocess.run([sys.executable, "-c", _FAULTS_PROBE, os.path.dirname(os.path.dirname(train.__file__))],
+                         env=env, capture_output=True, text=True, check=True).stdout.split()
+    return out[0] == "True", int(out[1])
+  pages = (48 << 20) // 4096
+  applied_off, off = faults("off")
+  applied_on, on = faults("on")
+  assert not applied_off and applied_on
+  if off < 2 * pages:
+    pytest.skip(f"this kernel backs fresh memory with huge pages ({off} faults): nothing to compare")
+  assert off > 3.5 * pages, off  # four fresh buffers
+  assert on < 1.5 * pages, on  # one
 
 
 def test_compilation_cache_setting(monkeypatch, tmp_path):
