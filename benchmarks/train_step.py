@@ -45,20 +45,6 @@ from jaxformer import sharding
 from jaxformer import train
 
 
-def matmul_peak(n=2048, repeats=5, dtype="float32"):
-  """FLOP/s of a jitted [n, n] x [n, n] matmul (operands in `dtype`, float32 accumulation),
-  best of `repeats`: a practical peak."""
-  a, b = (jax.random.normal(jax.random.key(i), (n, n), jnp.float32).astype(dtype) for i in range(2))
-  f = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
-  f(a, b).block_until_ready()
-  best = float("inf")
-  for _ in range(repeats):
-    t = time.perf_counter()
-    f(a, b).block_until_ready()
-    best = min(best, time.perf_counter() - t)
-  return 2 * n ** 3 / best
-
-
 def _parse_options(items):
   """["key=value", ...] -> {key: value} with true/false/ints parsed (XLA debug options)."""
   options = {}
@@ -91,11 +77,6 @@ def random_batch(like, shape, vocab, seed):
   out = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": np.ones_like(tokens[:, 1:]),
          "positions": np.broadcast_to(np.arange(lengths[0], dtype=np.int32), tokens[:, 1:].shape).copy()}
   return {k: out[k] for k in like}
-
-
-def _matmul_dtype(cfg):
-  """The operand dtype of the model's matmuls: "bfloat16" when model.dtype or model.matmul_dtype is."""
-  return "bfloat16" if "bfloat16" in (cfg.model.dtype, cfg.model.matmul_dtype) else "float32"
 
 
 class Variant:
@@ -207,8 +188,8 @@ def main(argv=None):
   elif device.platform == "cpu":
     n = 1024 if args.fast else 2048
     measure_peak = True
-    peak, peak_note = matmul_peak(n), f"float32 {n}^3 matmul, best of 5, re-measured every round"
-    if any(_matmul_dtype(c) == "bfloat16" for c in [cfg] + [c for _, c in alsos]):
+    peak, peak_note = inspect_lib.matmul_peak(n), f"float32 {n}^3 matmul, best of 5, re-measured every round"
+    if any(inspect_lib.matmul_dtype(c) == "bfloat16" for c in [cfg] + [c for _, c in alsos]):
       peak_note += "; bf16 variants against a bf16-operand matmul"
   else:
     peak, peak_note = None, "unknown"
@@ -237,19 +218,19 @@ def main(argv=None):
   # On a CPU the matmul peak moves with the machine's load and clock (+/-15% between
   # runs here), so it is measured again every round and each round's MFU uses its own.
   # bf16 matmuls (model.dtype or model.matmul_dtype) are measured against a bf16 peak.
-  peaks = {dtype: [] for dtype in {_matmul_dtype(v.cfg) for v in variants}} if measure_peak else {}
+  peaks = {dtype: [] for dtype in {inspect_lib.matmul_dtype(v.cfg) for v in variants}} if measure_peak else {}
   for _ in range(args.rounds):
     for v in variants:
       v.run(args.steps)
     for dtype, values in peaks.items():
-      values.append(matmul_peak(n, dtype=dtype))
+      values.append(inspect_lib.matmul_peak(n, dtype=dtype))
 
   width = max(len(v.name) for v in variants)
   print(f"\n{'variant':<{width}}  ms/step  (min)  cpu ms/step  tokens/s  TFLOP/s    MFU  faults/step"
         f"  compile s  first call s  compilations")
   for v in variants:
     wall = float(np.median(v.wall))
-    peak_of_round = np.array(peaks[_matmul_dtype(v.cfg)]) if measure_peak else peak
+    peak_of_round = np.array(peaks[inspect_lib.matmul_dtype(v.cfg)]) if measure_peak else peak
     mfu = (f"{100 * np.median(flops_per_step / np.array(v.wall) / peak_of_round):5.1f}%"
            if peak else "    -")
     print(f"{v.name:<{width}}  {1e3 * wall:7.2f} {1e3 * min(v.wall):6.2f}  {1e3 * np.median(v.cpu):11.2f}"

@@ -2,6 +2,7 @@
 
 import json
 import os
+import time
 import types
 
 import jax
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_config
+from jaxformer import inspect as inspect_lib
 from jaxformer import train
 from jaxformer.config import load_config, replace
 
@@ -65,3 +67,37 @@ def test_translation_steps_per_call_is_bitwise_identical(tmp_path):
   state_4, logged_4, _ = _run(replace(cfg, **{"train.steps_per_call": 4}), tmp_path / "k4")
   _assert_identical(state_1, state_4)
   assert logged_1 == logged_4
+
+
+def test_cpu_mfu_divides_by_the_measured_matmul_peak(tmp_path, monkeypatch):
+  """On a CPU (no datasheet peak) the progress line's MFU is the model FLOP/s over the
+  matmul speed measured once at the start, in the config's matmul dtype."""
+  assert jax.devices()[0].platform == "cpu"
+  measured = []
+  monkeypatch.setattr(train.inspect_lib, "matmul_peak",
+                      lambda n=1024, repeats=5, dtype="float32": measured.append(dtype) or 5e9)
+  (tmp_path / "text.txt").write_text("the cat sat on the mat and ran to the big red house.\n" * 200)
+  cfg = load_config("gpt2_tiny", [f"data.text_path={tmp_path / 'text.txt'}", "model.num_layers=1",
+                                  "model.matmul_dtype=bfloat16", "train.num_steps=8", "train.log_every=4",
+                                  "train.eval_every=8", "train.checkpoint_every=8", "train.eval_batches=1",
+                                  "train.sample_every_eval=false"])
+  _, _, records = _run(cfg, tmp_path / "run")
+  assert measured == ["bfloat16"]
+  per_token = inspect_lib.flops_per_token(cfg, cfg.data.block_size)["train"]
+  logged = [r for r in records if "loss" in r]
+  assert len(logged) == 2
+  for r in logged:
+    assert r["mfu"] == pytest.approx(r["tokens_per_sec"] * per_token / 5e9, rel=1e-4)
+
+
+def test_matmul_peak_is_flops_per_second():
+  """`inspect.matmul_peak` against numpy's own timing of the same product (same order)."""
+  n = 512
+  a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+  best = float("inf")
+  for _ in range(5):
+    t = time.perf_counter()
+    a @ a
+    best = min(best, time.perf_counter() - t)
+  ratio = inspect_lib.matmul_peak(n=n) / (2 * n ** 3 / best)
+  assert 0.1 < ratio < 10, ratio
