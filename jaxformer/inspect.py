@@ -100,9 +100,12 @@ def _model_cfg(cfg):
 def _shapes(m: ModelConfig):
   """{param path: shape}, traced with eval_shape so no weight is allocated."""
   model = build_model(m)
-  ids = jnp.ones((1, 1), jnp.int32)
-  args = (ids, ids) if m.arch == "encoder_decoder" else (ids,)
-  variables = jax.eval_shape(lambda: model.init(jax.random.key(0), *args))
+
+  def init():  # all inside eval_shape: nothing is compiled or run
+    ids = jnp.ones((1, 1), jnp.int32)
+    return model.init(jax.random.key(0), *((ids, ids) if m.arch == "encoder_decoder" else (ids,)))
+
+  variables = jax.eval_shape(init)
   params = traverse_util.flatten_dict(nn.unbox(variables["params"]))
   return {path: tuple(x.shape) for path, x in params.items()}
 

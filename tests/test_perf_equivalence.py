@@ -96,3 +96,13 @@ def test_matmul_peak_is_flops_per_second():
   clock = lambda: 0.25 * next(ticks)
   for dtype in ("float32", "bfloat16"):
     assert inspect_lib.matmul_peak(n=64, repeats=3, dtype=dtype, clock=clock) == pytest.approx(2 * 64 ** 3 / 0.25)
+
+
+def test_mfu_bookkeeping_compiles_nothing():
+  """The FLOP count and the CPU peak probe add no program to a run's `compiled N XLA
+  programs` (the FLOP count traces the model under eval_shape only)."""
+  cfg = load_config("shakespeare_char", ["model.d_model=24", "model.d_ff=40"])  # shapes not seen before
+  before = len(train.COMPILES)
+  inspect_lib.flops_per_token(cfg, 64)
+  train._peak_flops(cfg, log=lambda *a: None)  # pylint: disable=protected-access
+  assert len(train.COMPILES) == before
