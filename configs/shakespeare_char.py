@@ -4,6 +4,8 @@
 beta2 0.99, 100 warmup steps, cosine to 1e-4, weight decay 0.1, grad clip 1.0,
 dropout 0, learned positions, pre-LayerNorm, GELU, tied embeddings. nanoGPT's split:
 first 90% of characters train, last 10% validate. 65 characters + PAD/BOS/EOS = 68 ids.
+GELU is the tanh approximation (GPT-2's); nanoGPT's `nn.GELU()` is the erf form,
+`model.activation=gelu_exact`: val loss at 2,000 1.8684 against 1.8685 here, and no faster.
 """
 
 from jaxformer.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig

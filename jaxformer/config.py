@@ -29,7 +29,7 @@ class ModelConfig:
   num_layers: int = 6               # decoder layers (and encoder layers by default)
   num_encoder_layers: int | None = None
   d_ff: int = 2048
-  activation: str = "relu"          # relu | gelu | swiglu
+  activation: str = "relu"          # relu | gelu (tanh approx.) | gelu_exact (erf) | swiglu
   norm: str = "layernorm"           # layernorm | rmsnorm
   norm_position: str = "post"       # post (paper) | pre
   norm_eps: float = 1e-6
@@ -260,7 +260,7 @@ def load_config(name_or_path, overrides=()):
 def _validate(cfg):
   """Catches combinations that would otherwise fail deep inside jit."""
   m = cfg.model
-  choices = {"arch": ("encoder_decoder", "decoder_only"), "activation": ("relu", "gelu", "swiglu"),
+  choices = {"arch": ("encoder_decoder", "decoder_only"), "activation": ("relu", "gelu", "gelu_exact", "swiglu"),
              "norm": ("layernorm", "rmsnorm"), "norm_position": ("post", "pre"),
              "position": ("sinusoidal", "learned", "rope", "alibi", "none"),
              "rope_scaling": ("none", "ntk", "yarn", "llama3"), "dtype": ("float32", "bfloat16"),

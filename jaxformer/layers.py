@@ -367,7 +367,10 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-  """Position-wise FFN: ReLU (paper), GELU (GPT-2) or SwiGLU (Llama). [b, l, d] -> [b, l, d]."""
+  """Position-wise FFN: ReLU (paper), GELU (tanh: GPT-2; erf: nanoGPT, BERT) or SwiGLU (Llama).
+
+  [batch, length, d_model] -> [batch, length, d_model].
+  """
   cfg: ModelConfig
 
   @nn.compact
@@ -379,8 +382,11 @@ class FeedForward(nn.Module):
       hidden = nn.silu(gate) * up
     else:
       hidden = dense(cfg, cfg.d_ff, ("embed", "mlp"), name="wi")(x)
-      # GPT-2 uses the tanh approximation of GELU.
-      hidden = nn.relu(hidden) if cfg.activation == "relu" else nn.gelu(hidden, approximate=True)
+      # gelu: the tanh approximation (GPT-2); gelu_exact: the erf form (nanoGPT, BERT).
+      if cfg.activation == "relu":
+        hidden = nn.relu(hidden)
+      else:
+        hidden = nn.gelu(hidden, approximate=cfg.activation == "gelu")
     hidden = nn.with_logical_constraint(hidden, ("batch", "length", "mlp"))
     return dense(cfg, cfg.d_model, ("mlp", "embed"), name="wo")(hidden)
 

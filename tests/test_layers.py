@@ -350,7 +350,7 @@ def test_alibi_slopes():
 # FFN and norms.
 
 
-@pytest.mark.parametrize("activation", ["relu", "gelu", "swiglu"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_exact", "swiglu"])
 def test_feedforward_matches_numpy(activation):
   cfg = ModelConfig(d_model=8, d_ff=16, activation=activation)
   ffn = layers.FeedForward(cfg)
@@ -365,6 +365,7 @@ def test_feedforward_matches_numpy(activation):
   else:
     hid = xn @ p["wi"]["kernel"] + p["wi"]["bias"]
     hidden = (np.maximum(hid, 0) if activation == "relu" else
+              0.5 * hid * (1 + np.vectorize(math.erf)(hid / math.sqrt(2))) if activation == "gelu_exact" else
               0.5 * hid * (1 + np.tanh(math.sqrt(2 / math.pi) * (hid + 0.044715 * hid ** 3))))
   np.testing.assert_allclose(out, hidden @ p["wo"]["kernel"] + p["wo"]["bias"], atol=1e-5)
 
