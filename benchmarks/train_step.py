@@ -35,7 +35,6 @@ import time
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))

@@ -10,7 +10,6 @@ run restarted from a checkpoint continues exactly as if it had never stopped.
 import argparse
 import ctypes
 import functools
-import json
 import os
 import shlex
 import signal
