@@ -356,12 +356,13 @@ def keep_freed_memory():
 
   By default glibc serves an allocation over 32 MiB with a fresh mmap, unmaps it on
   free and trims its heaps, so every jitted call faults its scratch buffers in again:
-  13k faults per step for the baby GPT (`shakespeare_char`) at one step per call, which
-  made that call 13-35% slower on 2 CPU cores. No mmap and no trimming keep them, as
-  tcmalloc does; the process keeps its peak footprint, as a GPU allocator does.
+  13k faults per step for the baby GPT (`shakespeare_char`) at one step per call.
+  No mmap and no trimming keep them, as tcmalloc does (that call: 13-35% less time on
+  2 CPU cores); the process keeps its peak footprint, as a GPU allocator does.
   Temporaries over 64 MiB made on XLA's threads are still mapped per call (glibc's
   per-thread heaps stop there, and one arena for all threads made compiling 30-40%
-  slower): tcmalloc removes those too (BENCHMARKS.md). JAXFORMER_KEEP_MEMORY=off turns it off. Returns whether it applied.
+  slower): tcmalloc removes those too (BENCHMARKS.md).
+  JAXFORMER_KEEP_MEMORY=off turns it off. Returns whether it applied.
   """
   if os.environ.get("JAXFORMER_KEEP_MEMORY", "on").lower() in ("", "off", "none", "0"):
     return False
@@ -416,8 +417,9 @@ def _peak_flops(cfg, log):
   peak x devices on a known GPU/TPU; on a CPU, its own matmul speed in the config's
   matmul dtype, measured now (~0.1 s; x processes); None otherwise (no MFU shown)."""
   device = jax.devices()[0]
-  if inspect_lib.peak_flops(device.device_kind):
-    return inspect_lib.peak_flops(device.device_kind) * jax.device_count()
+  datasheet = inspect_lib.peak_flops(device.device_kind)
+  if datasheet:
+    return datasheet * jax.device_count()
   if device.platform != "cpu":
     return None
   dtype = inspect_lib.matmul_dtype(cfg)
