@@ -332,6 +332,11 @@ def _under_mesh(mesh, jitted):
   return call
 
 
+def _is_off(setting):
+  """Whether an environment setting turns its feature off ("", off, none, 0)."""
+  return setting.lower() in ("", "off", "none", "0")
+
+
 def use_compilation_cache():
   """Keeps compiled XLA programs on disk, so re-running a command skips compilation
   (train.py, eval.py and `python -m jaxformer.generate` call it first).
@@ -342,7 +347,7 @@ def use_compilation_cache():
   entry is never used. Saves ~10 s per `shakespeare_char` run on a 2-core CPU.
   """
   path = os.environ.get("JAXFORMER_COMPILATION_CACHE", os.path.expanduser("~/.cache/jaxformer/xla"))
-  if path.lower() in ("", "off", "none", "0") or jax.config.jax_compilation_cache_dir:
+  if _is_off(path) or jax.config.jax_compilation_cache_dir:
     return None
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.25)  # the eval step too
@@ -364,7 +369,7 @@ def keep_freed_memory():
   slower): tcmalloc removes those too (BENCHMARKS.md).
   JAXFORMER_KEEP_MEMORY=off turns it off. Returns whether it applied.
   """
-  if os.environ.get("JAXFORMER_KEEP_MEMORY", "on").lower() in ("", "off", "none", "0"):
+  if _is_off(os.environ.get("JAXFORMER_KEEP_MEMORY", "on")):
     return False
   try:
     mallopt = ctypes.CDLL("libc.so.6").mallopt
