@@ -1,5 +1,7 @@
 """Losses: label-smoothed cross-entropy (what is optimised) and the true NLL (what is reported)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -25,15 +27,44 @@ def cross_entropy(logits, targets, weights, label_smoothing=0.0):
   Returns (smoothed loss sum, NLL sum, weight sum): the NLL is -log p(target), the
   quantity behind perplexity, reported alongside the smoothed training loss.
   """
+  return _cross_entropy(logits.astype(jnp.float32), targets, weights, float(label_smoothing))
+
+
+# The gradient is written out: d loss / d logits = weights * (softmax(logits) - smoothed
+# targets). Autodiff of the formula keeps log-probabilities and products the size of the
+# logits for the backward pass; this keeps only the logits, and the forward pass never
+# builds a one-hot: for a 37k vocabulary and 25k-token batches, 3.6 GB less memory per
+# step and 7% less time on a CPU (BENCHMARKS.md).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _cross_entropy(logits, targets, weights, label_smoothing):
+  return _cross_entropy_fwd(logits, targets, weights, label_smoothing)[0]
+
+
+def _cross_entropy_fwd(logits, targets, weights, label_smoothing):
   vocab = logits.shape[-1]
-  log_probs = jax.nn.log_softmax(logits.astype(jnp.float32))
-  nll = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  nll = lse - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
   if label_smoothing > 0:
-    soft = smoothed_targets(targets, vocab, label_smoothing)
+    # -sum_v q_v log p_v with q = smoothed_targets: the target's term plus eps/(V-1) of all.
     confidence = 1.0 - label_smoothing
     low = label_smoothing / (vocab - 1)
     entropy = -(confidence * jnp.log(confidence) + (vocab - 1) * low * jnp.log(low + 1e-20))
-    loss = -jnp.sum(soft * log_probs, axis=-1) - entropy
+    loss = (confidence - low) * nll + low * (vocab * lse - jnp.sum(logits, axis=-1)) - entropy
   else:
     loss = nll
-  return jnp.sum(loss * weights), jnp.sum(nll * weights), jnp.sum(weights)
+  out = (jnp.sum(loss * weights), jnp.sum(nll * weights), jnp.sum(weights))
+  return out, (logits, lse, targets, weights, loss, nll)
+
+
+def _cross_entropy_bwd(label_smoothing, residuals, cotangents):
+  logits, lse, targets, weights, loss, nll = residuals
+  g_loss, g_nll, g_weight = cotangents
+  probs = jnp.exp(logits - lse[..., None])
+  one_hot = jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype)
+  soft = smoothed_targets(targets, logits.shape[-1], label_smoothing) if label_smoothing > 0 else one_hot
+  d_logits = ((g_loss + g_nll) * probs - g_loss * soft - g_nll * one_hot) * weights[..., None]
+  d_weights = g_loss * loss + g_nll * nll + g_weight
+  return d_logits, None, d_weights.astype(weights.dtype)
+
+
+_cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)

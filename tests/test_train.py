@@ -123,6 +123,46 @@ def test_label_smoothed_loss_is_minimal_at_the_smoothed_distribution():
   assert float(loss(jax.nn.one_hot(targets, vocab) * 20.0)) > 1.0
 
 
+
+def _reference_cross_entropy(logits, targets, weights, eps):
+  """The loss by autodiff-able formula (log-softmax against the smoothed one-hot)."""
+  vocab = logits.shape[-1]
+  logp = jax.nn.log_softmax(logits)
+  q = jax.nn.one_hot(targets, vocab) * (1 - eps - eps / (vocab - 1)) + eps / (vocab - 1)
+  entropy = -jnp.sum(jnp.where(q > 0, q * jnp.log(jnp.where(q > 0, q, 1.0)), 0.0), axis=-1)
+  loss = -jnp.sum(q * logp, axis=-1) - entropy
+  nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+  return jnp.sum(loss * weights), jnp.sum(nll * weights), jnp.sum(weights)
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_cross_entropy_gradients_match_autodiff_of_the_formula(eps):
+  """The hand-written VJP (softmax - smoothed targets) against autodiff of the plain
+  formula, for any cotangents of (loss, nll, weight sum), w.r.t. logits and weights."""
+  rng = np.random.default_rng(2)
+  vocab = 11
+  logits = jnp.asarray(rng.normal(size=(3, 4, vocab)) * 3, jnp.float32)
+  targets = jnp.asarray(rng.integers(0, vocab, (3, 4)))
+  weights = jnp.asarray(rng.integers(0, 2, (3, 4)), jnp.float32)
+  ours, vjp = jax.vjp(lambda x, w: losses.cross_entropy(x, targets, w, eps), logits, weights)
+  ref, ref_vjp = jax.vjp(lambda x, w: _reference_cross_entropy(x, targets, w, eps), logits, weights)
+  np.testing.assert_allclose(np.array(ours), np.array(ref), rtol=1e-5)
+  for cot in [(1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.3, -2.0, 0.7)]:
+    cot = tuple(jnp.float32(c) for c in cot)
+    for got, want in zip(vjp(cot), ref_vjp(cot)):
+      np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6)
+  # And against central differences of the numpy loss (float64), a few logits.
+  q = np.full((3, 4, vocab), eps / (vocab - 1))
+  np.put_along_axis(q, np.asarray(targets)[..., None], 1 - eps, -1)
+  def np_loss(x):
+    return (-(q * np_log_softmax(x)).sum(-1) * np.asarray(weights)).sum()
+  x0 = np.asarray(logits, np.float64)
+  grad = np.asarray(jax.grad(lambda x: losses.cross_entropy(x, targets, weights, eps)[0])(logits))
+  for idx in [(0, 0, 0), (1, 2, 5), (2, 3, 10)]:
+    dx = np.zeros_like(x0)
+    dx[idx] = 1e-4
+    np.testing.assert_allclose(grad[idx], (np_loss(x0 + dx) - np_loss(x0 - dx)) / 2e-4, rtol=1e-3, atol=1e-6)
+
 # ---------------------------------------------------------------------------
 # The train step, on hand-made batches.
 
