@@ -15,7 +15,8 @@ for Multi30k-length sentences (the data still builds the tokenizer). --also 'OVE
 a variant per K: the same batches through a model built with those extra overrides (e.g.
 `--also model.matmul_dtype=bfloat16`), interleaved with the others.
 CPU ms/step is the process's CPU time (all threads): under load it is steadier than
-wall time.
+wall time. temp MiB is the compiled step's temporary memory by XLA's `memory_analysis`
+(the same figure on any backend: what, besides the state and batch, must fit on a device).
 
 Model FLOPs come from `inspect.flops_per_token`: 2 x matmul weights per token plus
 attention, with causal self-attention counted as half the square ((L+1)/2 keys per
@@ -101,6 +102,12 @@ class Variant:
     jax.block_until_ready(metrics)
     self.first_call = time.perf_counter() - t
     self.compile_s = sum(train.COMPILES[before:])
+    # XLA's own account of the step's temporary buffers (activations kept for the backward
+    # pass, logits, gradients in flight): the figure that decides what fits on a GPU/TPU.
+    # Lowered again for it (from the compilation cache when that is on).
+    with sharding.use_mesh(mesh):
+      memory = self.jitted.lower(self.state, self.inputs[0]).compile().memory_analysis()
+    self.temp_mib = memory.temp_size_in_bytes / 2**20 if memory is not None else float("nan")
 
   def run(self, steps):
     """Runs about `steps` steps; records wall, CPU time and page faults per step."""
@@ -226,7 +233,7 @@ def main(argv=None):
 
   width = max(len(v.name) for v in variants)
   print(f"\n{'variant':<{width}}  ms/step  (min)  cpu ms/step  tokens/s  TFLOP/s    MFU  faults/step"
-        f"  compile s  first call s  compilations")
+        f"  temp MiB  compile s  first call s  compilations")
   for v in variants:
     wall = float(np.median(v.wall))
     peak_of_round = np.array(peaks[inspect_lib.matmul_dtype(v.cfg)]) if measure_peak else peak
@@ -234,7 +241,7 @@ def main(argv=None):
            if peak else "    -")
     print(f"{v.name:<{width}}  {1e3 * wall:7.2f} {1e3 * min(v.wall):6.2f}  {1e3 * np.median(v.cpu):11.2f}"
           f"  {tokens / wall:8,.0f}  {flops_per_step / wall / 1e12:7.4f}  {mfu}  {np.median(v.faults):11,.0f}"
-          f"  {v.compile_s:9.2f}  {v.first_call:12.2f}  {v.jitted._cache_size():12d}")  # pylint: disable=protected-access
+          f"  {v.temp_mib:8,.0f}  {v.compile_s:9.2f}  {v.first_call:12.2f}  {v.jitted._cache_size():12d}")  # pylint: disable=protected-access
   print(f"\n{args.rounds} interleaved rounds x {args.steps} steps per variant; medians (min = best round)")
   for dtype, values in peaks.items():
     print(f"{dtype} matmul peak per round: {', '.join(f'{p / 1e12:.3f}' for p in values)} TFLOP/s; "
