@@ -45,7 +45,7 @@ def load_revision(rev, module_name):
   return module
 
 
-def main():
+def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--before", required=True, help="git revision of the 'before' function")
   parser.add_argument("--function", default="layers.dot_product_attention", help="MODULE.NAME in jaxformer/")
@@ -55,7 +55,7 @@ def main():
   parser.add_argument("--rounds", type=int, default=8)
   parser.add_argument("--steps", type=int, default=50)
   parser.add_argument("--batch", help="random batches of this shape, as in train_step.py (B,S,T or B,T)")
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   train.keep_freed_memory()
   module_name, _, name = args.function.partition(".")
   if not name:

@@ -2,6 +2,8 @@
 
 import importlib.util
 import os
+import re
+import types
 
 import numpy as np
 import pytest
@@ -43,3 +45,28 @@ def test_train_step_also_rejects_a_data_change():
   train_step = _load("train_step")
   with pytest.raises(SystemExit, match="not the data"):
     train_step.main(["--config", "gpt2_tiny", "--also", "data.batch_size=3", "--fast"])
+
+
+def test_ab_function_traces_the_old_function_for_before(tmp_path, monkeypatch, capsys):
+  """ab_function.py swaps MODULE.NAME for the 'before' step and puts today's back."""
+  from jaxformer import losses  # pylint: disable=g-import-not-at-top
+  ab = _load("ab_function")
+  text = tmp_path / "corpus.txt"
+  text.write_text("to be, or not to be, that is the question.\n" * 100)
+  args = ["--config", "gpt2_tiny", f"data.text_path={text}", "--steps-per-call", "1", "--rounds", "1",
+          "--steps", "1"]
+  with pytest.raises(SystemExit, match="MODULE.NAME"):
+    ab.main(["--before", "HEAD", "--function", "cross_entropy", *args])
+  with pytest.raises(SystemExit, match="has no nope today"):
+    ab.main(["--before", "HEAD", "--function", "losses.nope", *args])
+  today, calls = losses.cross_entropy, []
+  def old(*a, **kw):
+    calls.append(1)
+    return today(*a, **kw)
+  monkeypatch.setattr(ab, "load_revision", lambda rev, module_name: types.SimpleNamespace(cross_entropy=old))
+  ab.main(["--before", "REV", "--function", "losses.cross_entropy", *args])
+  assert calls, "the 'before' step was not traced with the old function"
+  assert losses.cross_entropy is today
+  out = capsys.readouterr().out
+  assert "losses.cross_entropy at REV vs today" in out and "after / before" in out
+  assert re.search(r"temp memory [1-9][\d,]* -> [1-9][\d,]* MiB", out), out  # XLA's memory analysis, both steps
