@@ -25,7 +25,7 @@ def get_config():
       optim=OptimConfig(optimizer="adamw", schedule="cosine", learning_rate=1e-3, min_learning_rate=1e-4,
                         warmup_steps=100, b1=0.9, b2=0.99, eps=1e-8, weight_decay=0.1, grad_clip=1.0,
                         label_smoothing=0.0),
-      # 25 steps per jitted call (one lax.scan, bitwise the same result): on a 2-core CPU
+      # 25 steps per jitted call (one lax.scan, bitwise the same weights): on a 2-core CPU
       # ~28% less time per step than one call per step (see BENCHMARKS.md).
       train=TrainConfig(num_steps=2000, log_every=100, eval_every=250, eval_batches=20,
                         checkpoint_every=1000, keep_checkpoints=2, steps_per_call=25),

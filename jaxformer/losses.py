@@ -27,21 +27,22 @@ def cross_entropy(logits, targets, weights, label_smoothing=0.0):
   Returns (smoothed loss sum, NLL sum, weight sum): the NLL is -log p(target), the
   quantity behind perplexity, reported alongside the smoothed training loss.
   """
-  return _cross_entropy(logits.astype(jnp.float32), targets, jnp.asarray(weights, jnp.float32),
-                        float(label_smoothing))
+  loss, nll = _token_losses(logits.astype(jnp.float32), targets, float(label_smoothing))
+  return jnp.sum(loss * weights), jnp.sum(nll * weights), jnp.sum(weights)
 
 
-# The gradient is written out: d loss / d logits = weights * (softmax(logits) - smoothed
-# targets). Autodiff of the formula keeps log-probabilities and products the size of the
-# logits for the backward pass; this keeps only the logits, and the forward pass never
-# builds a one-hot. For `wmt_base` shapes (64 x 24 target tokens, 37k vocabulary) the
-# step's temporaries go from 2,298 to 1,865 MiB and its time down 6% on a CPU (BENCHMARKS.md).
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _cross_entropy(logits, targets, weights, label_smoothing):
-  return _cross_entropy_fwd(logits, targets, weights, label_smoothing)[0]
+# The gradient is written out: d loss / d logits = softmax(logits) - smoothed targets.
+# Autodiff of the formula keeps log-probabilities and products the size of the logits for
+# the backward pass; this keeps only the logits, and the forward pass never builds a
+# one-hot. For `wmt_base` shapes (64 x 24 target tokens, 37k vocabulary) the step's
+# temporaries go from 2,298 to 1,865 MiB and its time down 6% on a CPU (BENCHMARKS.md).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _token_losses(logits, targets, label_smoothing):
+  """(smoothed loss, NLL) per token, [batch, length] each."""
+  return _token_losses_fwd(logits, targets, label_smoothing)[0]
 
 
-def _cross_entropy_fwd(logits, targets, weights, label_smoothing):
+def _token_losses_fwd(logits, targets, label_smoothing):
   vocab = logits.shape[-1]
   lse = jax.nn.logsumexp(logits, axis=-1)
   nll = lse - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
@@ -53,19 +54,16 @@ def _cross_entropy_fwd(logits, targets, weights, label_smoothing):
     loss = (confidence - low) * nll + low * (vocab * lse - jnp.sum(logits, axis=-1)) - entropy
   else:
     loss = nll
-  out = (jnp.sum(loss * weights), jnp.sum(nll * weights), jnp.sum(weights))
-  return out, (logits, lse, targets, weights, loss, nll)
+  return (loss, nll), (logits, lse, targets)
 
 
-def _cross_entropy_bwd(label_smoothing, residuals, cotangents):
-  logits, lse, targets, weights, loss, nll = residuals
-  g_loss, g_nll, g_weight = cotangents
+def _token_losses_bwd(label_smoothing, residuals, cotangents):
+  logits, lse, targets = residuals
+  g_loss, g_nll = (g[..., None] for g in cotangents)
   probs = jnp.exp(logits - lse[..., None])
   one_hot = jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype)
   soft = smoothed_targets(targets, logits.shape[-1], label_smoothing) if label_smoothing > 0 else one_hot
-  d_logits = ((g_loss + g_nll) * probs - g_loss * soft - g_nll * one_hot) * weights[..., None]
-  d_weights = g_loss * loss + g_nll * nll + g_weight
-  return d_logits, None, d_weights.astype(weights.dtype)
+  return (g_loss + g_nll) * probs - g_loss * soft - g_nll * one_hot, None
 
 
-_cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
+_token_losses.defvjp(_token_losses_fwd, _token_losses_bwd)
