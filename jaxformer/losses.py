@@ -35,7 +35,7 @@ def cross_entropy(logits, targets, weights, label_smoothing=0.0):
 # Autodiff of the formula keeps log-probabilities and products the size of the logits for
 # the backward pass; this keeps only the logits, and the forward pass never builds a
 # one-hot. For `wmt_base` shapes (64 x 24 target tokens, 37k vocabulary) the step's
-# temporaries go from 2,298 to 1,865 MiB and its time down 6% on a CPU (BENCHMARKS.md).
+# temporaries go from 2,298 to 1,865 MiB and its time down 5-6% on a CPU (BENCHMARKS.md).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _token_losses(logits, targets, label_smoothing):
   """(smoothed loss, NLL) per token, [batch, length] each."""
