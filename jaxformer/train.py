@@ -98,9 +98,9 @@ def make_multi_step(train_step):
   run as consecutive steps in one `lax.scan`, metrics stacked on a leading step axis.
 
   The trained state is bitwise that of calling `train_step` on each batch in turn (the
-  metrics agree to float32 rounding: XLA may order a sum differently in the loop). What it
-  saves is the per-call cost, large for small models on CPU: Python dispatch, and XLA's scratch
-  buffer, freshly allocated (and page-faulted in) at every call.
+  metrics agree to float32 rounding: XLA may order a sum differently in the loop). What
+  it saves is the per-call cost, large for small models on CPU: Python dispatch, and
+  XLA's scratch buffer, freshly allocated (and page-faulted in) at every call.
   """
   def multi_step(state, batches):
     return jax.lax.scan(train_step, state, jax.tree.map(lambda *xs: jnp.stack(xs), *batches))

@@ -57,9 +57,9 @@ def test_lm_steps_per_call_is_bitwise_identical(tmp_path, monkeypatch):
   # rounding: XLA may order the float32 sum over tokens differently inside the scan (the
   # gradients, and so the state above, stay bitwise equal).
   assert [(s, v) for s, _, v in logged_1] == [(s, v) for s, _, v in logged_4]
-  np.testing.assert_allclose([l for _, l, _ in logged_1 if l is not None],
-                             [l for _, l, _ in logged_4 if l is not None], rtol=1e-6)
-  assert [l is None for _, l, _ in logged_1] == [l is None for _, l, _ in logged_4]
+  assert [loss is None for _, loss, _ in logged_1] == [loss is None for _, loss, _ in logged_4]
+  np.testing.assert_allclose([loss for _, loss, _ in logged_1 if loss is not None],
+                             [loss for _, loss, _ in logged_4 if loss is not None], rtol=1e-6)
   mfu = [r["mfu"] for r in records if "loss" in r]
   assert len(mfu) == 3 and all(0 < x < 1 for x in mfu)
 

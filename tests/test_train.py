@@ -123,7 +123,6 @@ def test_label_smoothed_loss_is_minimal_at_the_smoothed_distribution():
   assert float(loss(jax.nn.one_hot(targets, vocab) * 20.0)) > 1.0
 
 
-
 def _reference_cross_entropy(logits, targets, weights, eps):
   """The loss by autodiff-able formula (log-softmax against the smoothed one-hot)."""
   vocab = logits.shape[-1]
@@ -162,6 +161,7 @@ def test_cross_entropy_gradients_match_autodiff_of_the_formula(eps):
     dx = np.zeros_like(x0)
     dx[idx] = 1e-4
     np.testing.assert_allclose(grad[idx], (np_loss(x0 + dx) - np_loss(x0 - dx)) / 2e-4, rtol=1e-3, atol=1e-6)
+
 
 # ---------------------------------------------------------------------------
 # The train step, on hand-made batches.
