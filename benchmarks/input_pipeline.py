@@ -20,7 +20,6 @@ import sys
 import tempfile
 import time
 
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from jaxformer import data as data_lib  # pylint: disable=g-import-not-at-top
 from jaxformer import tokenizer as tokenizer_lib

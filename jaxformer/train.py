@@ -367,7 +367,8 @@ def keep_freed_memory():
   2 CPU cores); the process keeps its peak footprint, as a GPU allocator does.
   Temporaries over 64 MiB made on XLA's threads are still mapped per call (glibc's
   per-thread heaps stop there, and one arena for all threads made compiling 30-40%
-  slower): tcmalloc removes those too (BENCHMARKS.md).
+  slower): GLIBC_TUNABLES=glibc.malloc.hugetlb=1 or tcmalloc, set when the process
+  starts, remove those too (README, BENCHMARKS.md).
   JAXFORMER_KEEP_MEMORY=off turns it off. Returns whether it applied.
   """
   if _is_off(os.environ.get("JAXFORMER_KEEP_MEMORY", "on")):
