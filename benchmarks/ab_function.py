@@ -27,7 +27,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_step as bench  # pylint: disable=g-import-not-at-top
-from jaxformer import config as config_lib, sharding, train  # pylint: disable=g-import-not-at-top
+from jaxformer import config as config_lib, runtime, sharding, train  # pylint: disable=g-import-not-at-top
 
 
 def load_revision(rev, module_name):
@@ -55,8 +55,8 @@ def main(argv=None):
   parser.add_argument("--rounds", type=int, default=8)
   parser.add_argument("--steps", type=int, default=50)
   parser.add_argument("--batch", help="random batches of this shape, as in train_step.py (B,S,T or B,T)")
-  args = parser.parse_args(argv)
-  train.keep_freed_memory()
+  args = parser.parse_intermixed_args(argv)
+  runtime.keep_freed_memory()
   module_name, _, name = args.function.partition(".")
   if not name:
     sys.exit(f"error: --function {args.function!r} must look like MODULE.NAME, e.g. losses.cross_entropy")

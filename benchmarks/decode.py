@@ -29,7 +29,7 @@ from jaxformer import config as config_lib  # pylint: disable=g-import-not-at-to
 from jaxformer import decode
 from jaxformer import inspect as inspect_lib
 from jaxformer import model as model_lib
-from jaxformer import train
+from jaxformer import runtime
 
 
 @functools.partial(jax.jit, static_argnames=("model", "prompt_len", "steps"))
@@ -73,8 +73,8 @@ def main(argv=None):
   parser.add_argument("--new-tokens", type=int, default=48)
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--fast", action="store_true", help="smoke run: batch 2, 8 + 8 tokens, 1 repeat")
-  args = parser.parse_args(argv)
-  train.keep_freed_memory()  # as `jaxformer.generate` does
+  args = parser.parse_intermixed_args(argv)
+  runtime.keep_freed_memory()  # as `jaxformer.generate` does
   if args.fast:
     args.batch, args.prompt_len, args.new_tokens, args.repeats = 2, 8, 8, 1
   cfg = config_lib.load_config(args.config, args.overrides)

@@ -41,6 +41,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from jaxformer import config as config_lib  # pylint: disable=g-import-not-at-top
 from jaxformer import inspect as inspect_lib
+from jaxformer import runtime
 from jaxformer import sharding
 from jaxformer import train
 
@@ -96,12 +97,12 @@ class Variant:
     n = len(batches) // k
     self.inputs = batches[:n] if k == 1 else [tuple(batches[i * k:(i + 1) * k]) for i in range(n)]
     self.wall, self.cpu, self.faults = [], [], []
-    before = len(train.COMPILES)
+    before = len(runtime.COMPILES)
     t = time.perf_counter()
     self.state, metrics = self.call(self.state, self.inputs[0])
     jax.block_until_ready(metrics)
     self.first_call = time.perf_counter() - t
-    self.compile_s = sum(train.COMPILES[before:])
+    self.compile_s = sum(runtime.COMPILES[before:])
     # XLA's own account of the step's temporary buffers (activations kept for the backward
     # pass, logits, gradients in flight): the figure that decides what fits on a GPU/TPU.
     # Lowered again for it: JAX's in-memory caches make that ~5 ms, no second compile.
@@ -140,8 +141,8 @@ def main(argv=None):
   parser.add_argument("--batch", default=None,
                       help="B,S,T (translation) or B,T (LM): random full batches of this shape instead of data")
   parser.add_argument("--fast", action="store_true", help="smoke run: 2 rounds, few steps, small matmul")
-  args = parser.parse_args(argv)
-  kept = train.keep_freed_memory()  # as train.py does (JAXFORMER_KEEP_MEMORY=off: glibc's default)
+  args = parser.parse_intermixed_args(argv)
+  kept = runtime.keep_freed_memory()  # as train.py does (JAXFORMER_KEEP_MEMORY=off: glibc's default)
   if args.fast:
     args.rounds, args.steps = 2, 4
 

@@ -79,7 +79,7 @@ def main(argv=None):
   parser.add_argument("--python", default=sys.executable, help="the Python that has torch (for nanoGPT)")
   parser.add_argument("--rounds", type=int, default=2)
   parser.add_argument("overrides", nargs="*", help="dotted overrides for our run, e.g. train.steps_per_call=1")
-  args = parser.parse_args(argv)
+  args = parser.parse_intermixed_args(argv)
   if not os.path.exists(os.path.join(args.nanogpt, "data", "shakespeare_char", "train.bin")):
     sys.exit(f"error: {args.nanogpt}/data/shakespeare_char/train.bin not found: run its prepare.py first")
 

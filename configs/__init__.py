@@ -1,0 +1,1 @@
+"""The recipes: one `get_config() -> Config` per file (installed as `jaxformer.configs`)."""

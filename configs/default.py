@@ -6,7 +6,7 @@ minutes; training ends with sample translations and the BLEU of held-out pairs.
 """
 
 from jaxformer.config import replace
-from configs import wmt_base
+from jaxformer.configs import wmt_base
 
 
 def get_config():

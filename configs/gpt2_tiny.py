@@ -1,7 +1,7 @@
 """A tiny GPT-2-style model for tests."""
 
 from jaxformer.config import replace
-from configs import gpt2_small
+from jaxformer.configs import gpt2_small
 
 
 def get_config():

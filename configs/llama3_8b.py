@@ -2,7 +2,7 @@
 d_ff 14,336, RoPE theta 500,000 with Llama 3.1's scaling (x8 from 8k), untied embeddings."""
 
 from jaxformer.config import replace
-from configs import llama_7b
+from jaxformer.configs import llama_7b
 
 
 def get_config():

@@ -1,7 +1,7 @@
 """A tiny Llama-style model for tests: RMSNorm, SwiGLU, RoPE, GQA (4 heads, 2 kv heads)."""
 
 from jaxformer.config import replace
-from configs import llama3_8b
+from jaxformer.configs import llama3_8b
 
 
 def get_config():

@@ -4,8 +4,8 @@ The small real benchmark: a post-LN Transformer sized for 29k short caption pair
 """
 
 from jaxformer.config import replace
-from configs import wmt_base
-from configs._paths import data
+from jaxformer.configs import wmt_base
+from jaxformer.configs._paths import data
 
 
 def get_config():

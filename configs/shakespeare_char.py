@@ -9,7 +9,7 @@ GELU is the tanh approximation (GPT-2's); nanoGPT's `nn.GELU()` is the erf form,
 """
 
 from jaxformer.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig
-from configs._paths import data
+from jaxformer.configs._paths import data
 
 
 def get_config():

@@ -2,7 +2,7 @@
 block 256, batch 64, 5,000 iterations, dropout 0.2."""
 
 from jaxformer.config import replace
-from configs import shakespeare_char
+from jaxformer.configs import shakespeare_char
 
 
 def get_config():

@@ -1,7 +1,7 @@
 """A tiny encoder-decoder for tests: the paper's architecture at toy size."""
 
 from jaxformer.config import replace
-from configs import wmt_base
+from jaxformer.configs import wmt_base
 
 
 def get_config():

@@ -3,8 +3,8 @@ sentences of newstest2014 as test (joint BPE, token batching, beam 4, alpha 0.6,
 max length source + 50, checkpoint averaging, both BLEU flavours)."""
 
 from jaxformer.config import replace
-from configs import wmt_base
-from configs._paths import data
+from jaxformer.configs import wmt_base
+from jaxformer.configs._paths import data
 
 
 def get_config():

@@ -2,7 +2,7 @@
 16 heads, d_ff 4096, dropout 0.3, 300k steps; otherwise as `wmt_base`."""
 
 from jaxformer.config import replace
-from configs import wmt_base
+from jaxformer.configs import wmt_base
 
 
 def get_config():

@@ -1,6 +1,7 @@
 """One config system: frozen dataclasses, named recipes in `configs/`, dotted overrides.
 
-A recipe is a file `configs/<name>.py` with a function `get_config() -> Config`.
+A recipe is a file `configs/<name>.py` with a function `get_config() -> Config` (the
+folder is installed as the package `jaxformer.configs`, so a wheel carries the recipes).
 `load_config("wmt_base", ["model.num_layers=2"])` resolves it; an unknown key or a
 value of the wrong type is a `UserError` naming the closest valid key.
 """
@@ -12,9 +13,10 @@ import pathlib
 import types
 import typing
 
+import jaxformer.configs
 from jaxformer.errors import UserError, closest
 
-CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = pathlib.Path(jaxformer.configs.__path__[0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,14 +244,17 @@ def apply_override(cfg, override):
 def load_config(name_or_path, overrides=()):
   """Loads a recipe by name (`configs/<name>.py`) or path, then applies overrides."""
   path = pathlib.Path(name_or_path)
-  if path.suffix != ".py":
-    path = CONFIG_DIR / f"{name_or_path}.py"
-  if not path.exists():
+  if path.suffix == ".py":
+    if not path.exists():
+      raise UserError(f"config file {name_or_path} not found")
+    spec = importlib.util.spec_from_file_location(f"jaxformer_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+  elif name_or_path in available_configs():
+    module = importlib.import_module(f"jaxformer.configs.{name_or_path}")
+  else:
     raise UserError(f"unknown config {name_or_path!r}{closest(str(name_or_path), available_configs())};"
                     f" available: {', '.join(available_configs())}")
-  spec = importlib.util.spec_from_file_location(f"jaxformer_config_{path.stem}", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
   cfg = module.get_config()
   for override in overrides:
     cfg = apply_override(cfg, override)

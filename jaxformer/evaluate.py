@@ -1,6 +1,6 @@
 """Evaluation: BLEU for translation, perplexity for language models, checkpoint averaging.
 
-    python eval.py --workdir DIR [--split test] [--average-last K] [--beam 4] [--alpha 0.6]
+    python eval.py --workdir DIR [--split test] [--average-last K] [--beam 4] [--alpha 0.6] [decode.*=... data.*=...]
     python eval.py --hyp FILE --ref FILE           # score any system output
     python eval.py --workdir DIR --text FILE       # LM perplexity of a text file
 """
@@ -23,6 +23,7 @@ from jaxformer import data as data_lib
 from jaxformer import decode
 from jaxformer import losses
 from jaxformer import model as model_lib
+from jaxformer import runtime
 from jaxformer import tasks
 from jaxformer import tokenizer as tokenizer_lib
 from jaxformer.errors import UserError, cli
@@ -80,13 +81,25 @@ def abstract_params(cfg):
   return model, nn.unbox(shapes)
 
 
-def load_run(workdir, average_last=0, step=None, log=print):
-  """(cfg, model, params, tokenizer, meta) of a training workdir; averages the last K checkpoints if asked."""
+# What evaluation may change in a run's saved config: how to decode, and which files to read.
+EVAL_OVERRIDE_SECTIONS = ("decode", "data")
+
+
+def load_run(workdir, average_last=0, step=None, log=print, overrides=()):
+  """(cfg, model, params, tokenizer, meta) of a training workdir; averages the last K checkpoints if asked.
+
+  `overrides` (`decode.*` and `data.*` only) apply on top of the run's saved config.
+  """
   path = os.path.join(workdir, "config.json")
   if not os.path.exists(path):
     raise UserError(f"{workdir} has no config.json: is it a training workdir (train.py --workdir)?")
   with open(path) as f:
     cfg = config_lib.from_dict(json.load(f))
+  for override in overrides:
+    if override.split("=", 1)[0].strip().split(".")[0] not in EVAL_OVERRIDE_SECTIONS:
+      raise UserError(f"override {override!r}: evaluation takes decode.* and data.* overrides only "
+                      f"(the model comes from {path})")
+    cfg = config_lib.apply_override(cfg, override)
   model, shapes = abstract_params(cfg)
   ckpt = checkpoint_lib.Checkpointer(workdir, max_to_keep=None, async_save=False)
   try:
@@ -192,24 +205,28 @@ def parse_args(argv):
   parser.add_argument("--hyp", help="scoring mode: system output file")
   parser.add_argument("--ref", help="scoring mode: reference file")
   parser.add_argument("--text", help="LM: perplexity of this text file")
-  return parser.parse_args(argv)
+  parser.add_argument("overrides", nargs="*",
+                      help="decode.* / data.* overrides of the run's config, e.g. decode.max_extra_len=100")
+  return parser.parse_intermixed_args(argv)  # overrides before, between or after flags
 
 
 @cli
 def main(argv):
   """The `eval.py` entry point."""
   args = parse_args(argv)
-  from jaxformer import train  # pylint: disable=g-import-not-at-top  (train imports this module)
-  train.keep_freed_memory()
-  train.use_compilation_cache()  # re-running (e.g. a length-penalty sweep) skips compiling
+  runtime.keep_freed_memory()
+  runtime.use_compilation_cache()  # re-running (e.g. a length-penalty sweep) skips compiling
   if args.hyp or args.ref:
     if not (args.hyp and args.ref):
       raise UserError("scoring mode needs both --hyp FILE and --ref FILE")
+    if args.overrides:
+      raise UserError(f"overrides ({' '.join(args.overrides)}) apply to a --workdir run, not to --hyp/--ref scoring")
     print(bleu.format_scores(bleu.score_files(args.hyp, args.ref)))
     return
   if not args.workdir:
     raise UserError("give --workdir DIR (a training run) or --hyp FILE --ref FILE")
-  cfg, model, params, tokenizer, meta = load_run(args.workdir, args.average_last, args.step)
+  cfg, model, params, tokenizer, meta = load_run(args.workdir, args.average_last, args.step,
+                                                overrides=args.overrides)
   if args.save_average:
     checkpoint_lib.save_params(args.save_average, params, step=int(meta.get("step", 0)), meta=meta)
     print(f"saved averaged params to {args.save_average}/checkpoints/{meta.get('step', 0)}")
@@ -229,3 +246,7 @@ def main(argv):
   print(f"hypotheses: {out}")
   print(bleu.format_scores(scores))
   return scores
+
+
+if __name__ == "__main__":  # python -m jaxformer.evaluate (an installed wheel has no eval.py)
+  main()

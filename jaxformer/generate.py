@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxformer import decode
 from jaxformer import evaluate
-from jaxformer import train
+from jaxformer import runtime
 from jaxformer.errors import UserError, cli
 
 
@@ -37,9 +37,7 @@ def generate_text(model, params, tokenizer, cfg, prompts, max_new_tokens=200, te
   return [tokenizer.decode(np.asarray(row)) for row in tokens]
 
 
-@cli
-def main(argv):
-  """The `python -m jaxformer.generate` entry point."""
+def parse_args(argv):
   parser = argparse.ArgumentParser(description="Sample from a trained decoder-only jaxformer model.")
   parser.add_argument("--workdir", required=True)
   parser.add_argument("--prompt", action="append", default=None, help="repeat for a batch of prompts")
@@ -50,10 +48,18 @@ def main(argv):
   parser.add_argument("--top-p", type=float, default=1.0)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--step", type=int, default=None)
-  args = parser.parse_args(argv)
-  train.keep_freed_memory()
-  train.use_compilation_cache()
-  cfg, model, params, tokenizer, _ = evaluate.load_run(args.workdir, step=args.step, log=lambda *_: None)
+  parser.add_argument("overrides", nargs="*", help="decode.* overrides of the run's config, e.g. decode.max_new_tokens=500")
+  return parser.parse_intermixed_args(argv)  # overrides before, between or after flags
+
+
+@cli
+def main(argv):
+  """The `python -m jaxformer.generate` entry point."""
+  args = parse_args(argv)
+  runtime.keep_freed_memory()
+  runtime.use_compilation_cache()
+  cfg, model, params, tokenizer, _ = evaluate.load_run(args.workdir, step=args.step, log=lambda *_: None,
+                                                     overrides=args.overrides)
   if cfg.model.arch != "decoder_only":
     raise UserError(f"{args.workdir} holds a translation model: use eval.py to translate")
   prompts = args.prompt or ["\n"]

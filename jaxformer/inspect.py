@@ -278,7 +278,7 @@ def main(argv):
   parser.add_argument("--context", default="4096,32768", help="comma-separated context lengths for the KV cache")
   parser.add_argument("--seq-len", type=int, default=None,
                       help="training length for FLOPs and decode context for the roofline (default: the recipe's)")
-  args = parser.parse_args(argv)
+  args = parser.parse_intermixed_args(argv)  # overrides before, between or after flags
   try:
     contexts = [int(c.replace("_", "")) for c in args.context.split(",") if c.strip()]
   except ValueError:

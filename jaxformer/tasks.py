@@ -27,6 +27,14 @@ def tokenizer_path(cfg: Config, workdir):
   return os.path.join(workdir, "tokenizer.json" if cfg.data.tokenizer == "char" else "tokenizer.model")
 
 
+def local_file(key, path):
+  """`path` (the value of config field `key`) if it is a file, else a one-line error saying how to set it."""
+  if not os.path.isfile(path):
+    raise UserError(f"{key}={path}: file not found; set {key}=FILE (recipes that read the small corpora "
+                    "beside a checkout, ../shared/data, find them elsewhere through JAXFORMER_DATA=DIR)")
+  return path
+
+
 def load_translation_splits(cfg: Config):
   """{"train": (src, tgt), "dev": ..., "test": ...} as lists of str, from the configured source."""
   d = cfg.data
@@ -45,7 +53,8 @@ def load_translation_splits(cfg: Config):
     for split in ("train", "dev", "test"):
       src, tgt = getattr(d, f"{split}_src"), getattr(d, f"{split}_tgt")
       if src or tgt:
-        splits[split] = data_lib.read_parallel(src, tgt)
+        splits[split] = data_lib.read_parallel(local_file(f"data.{split}_src", src),
+                                               local_file(f"data.{split}_tgt", tgt))
     if "train" not in splits:
       raise UserError("data.source=local needs data.train_src and data.train_tgt")
     return splits
@@ -139,7 +148,7 @@ class LMTask:
     if d.source == "local":
       if not d.text_path:
         raise UserError("data.source=local needs data.text_path for a language model")
-      text = "\n".join(data_lib.read_lines(d.text_path)) + "\n"
+      text = "\n".join(data_lib.read_lines(local_file("data.text_path", d.text_path))) + "\n"
       train_text, val_text = data_lib.nanogpt_split(text, d.train_fraction)
       train_docs, val_docs = [train_text], [val_text]
     elif d.source == "hub":

@@ -10,6 +10,7 @@ import pytest
 
 from conftest import tiny_config
 from jaxformer import inspect as inspect_lib
+from jaxformer import runtime
 from jaxformer import train
 from jaxformer.config import load_config, replace
 
@@ -41,7 +42,7 @@ def test_steps_this_call_keeps_boundaries_exact():
 
 def test_lm_steps_per_call_is_bitwise_identical(tmp_path, monkeypatch):
   """gpt2_tiny with dropout (so the per-step rng goes through the scan too): K=1 vs K=4."""
-  monkeypatch.setattr(train.inspect_lib, "peak_flops", lambda kind: 1e12)  # as if on a known device
+  monkeypatch.setattr(runtime.inspect_lib, "peak_flops", lambda kind: 1e12)  # as if on a known device
   rng = np.random.default_rng(0)
   words = "the cat dog sat on a mat and ran to big red house".split()
   (tmp_path / "text.txt").write_text("\n".join(" ".join(rng.choice(words, 8)) + "." for _ in range(200)))
@@ -79,7 +80,7 @@ def test_cpu_mfu_divides_by_the_measured_matmul_peak(tmp_path, monkeypatch):
   matmul speed measured once at the start, in the config's matmul dtype."""
   assert jax.devices()[0].platform == "cpu"
   measured = []
-  monkeypatch.setattr(train.inspect_lib, "matmul_peak",
+  monkeypatch.setattr(runtime.inspect_lib, "matmul_peak",
                       lambda n=1024, repeats=5, dtype="float32": measured.append(dtype) or 5e9)
   (tmp_path / "text.txt").write_text("the cat sat on the mat and ran to the big red house.\n" * 200)
   cfg = load_config("gpt2_tiny", [f"data.text_path={tmp_path / 'text.txt'}", "model.num_layers=1",
@@ -108,7 +109,7 @@ def test_mfu_bookkeeping_compiles_nothing():
   """The FLOP count and the CPU peak probe add no program to a run's `compiled N XLA
   programs` (the FLOP count traces the model under eval_shape only)."""
   cfg = load_config("shakespeare_char", ["model.d_model=24", "model.d_ff=40"])  # shapes not seen before
-  before = len(train.COMPILES)
+  before = len(runtime.COMPILES)
   inspect_lib.flops_per_token(cfg, 64)
-  train._peak_flops(cfg, log=lambda *a: None)  # pylint: disable=protected-access
-  assert len(train.COMPILES) == before
+  runtime.peak_flops(cfg, log=lambda *a: None)  # pylint: disable=protected-access
+  assert len(runtime.COMPILES) == before

@@ -95,6 +95,6 @@ def test_global_batch_on_one_process_is_the_batch():
 
 
 def test_single_process_runs_do_not_initialize_distributed(monkeypatch):
-  from jaxformer import train
+  from jaxformer import runtime
   monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
-  assert not train.maybe_initialize_distributed(False)
+  assert not runtime.maybe_initialize_distributed(False)

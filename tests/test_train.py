@@ -20,6 +20,7 @@ from jaxformer import data as data_lib
 from jaxformer import losses
 from jaxformer import model as model_lib
 from jaxformer import optim
+from jaxformer import runtime
 from jaxformer import tasks
 from jaxformer import train
 from jaxformer.config import load_config
@@ -361,13 +362,13 @@ def test_tiny_lm_loss_goes_down(tmp_path):
                                   "train.num_steps=30", "train.log_every=1", "train.eval_every=1000",
                                   "train.eval_batches=1", "train.sample_every_eval=false",
                                   "train.checkpoint_every=1000", "optim.learning_rate=3e-3"])
-  seen = len(train.COMPILES)
+  seen = len(runtime.COMPILES)
   result = train.train_and_evaluate(cfg, str(tmp_path / "run"), log=lambda *a: None)
   nll = [v for _, v in read_metrics(str(tmp_path / "run"), "nll")]
   assert len(nll) == 30
   # The run reports the XLA compilations it made (none after setup's if the persistent cache
   # is warm) and the log's ms/step is the wall time between consecutive log records.
-  assert result["programs_compiled"] == len(train.COMPILES) - seen
+  assert result["programs_compiled"] == len(runtime.COMPILES) - seen
   assert read_metrics(str(tmp_path / "run"), "programs_compiled")[0][1] == result["programs_compiled"]
   records = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "step_ms" in r]
   for prev, r in zip(records, records[1:]):
@@ -382,8 +383,8 @@ def test_tiny_lm_loss_goes_down(tmp_path):
 _FAULTS_PROBE = r"""
 import ctypes, resource, sys, threading
 sys.path.insert(0, sys.argv[1])
-from jaxformer import train
-applied = train.keep_freed_memory()
+from jaxformer import runtime
+applied = runtime.keep_freed_memory()
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
 size = 48 << 20  # a scratch buffer (glibc maps over 32 MiB), allocated and freed 4 times off the main thread
@@ -421,12 +422,12 @@ def test_compilation_cache_setting(monkeypatch, tmp_path):
   saved = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")}
   try:
     monkeypatch.setenv("JAXFORMER_COMPILATION_CACHE", str(tmp_path / "xla"))
-    assert train.use_compilation_cache() is None  # conftest's cache dir is already set
+    assert runtime.use_compilation_cache() is None  # conftest's cache dir is already set
     jax.config.update("jax_compilation_cache_dir", None)
     monkeypatch.setenv("JAXFORMER_COMPILATION_CACHE", "off")
-    assert train.use_compilation_cache() is None and jax.config.jax_compilation_cache_dir is None
+    assert runtime.use_compilation_cache() is None and jax.config.jax_compilation_cache_dir is None
     monkeypatch.setenv("JAXFORMER_COMPILATION_CACHE", str(tmp_path / "xla"))
-    assert train.use_compilation_cache() == str(tmp_path / "xla")
+    assert runtime.use_compilation_cache() == str(tmp_path / "xla")
     assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
   finally:
     for k, v in saved.items():
