@@ -14,11 +14,16 @@ import re
 from jaxformer.data import read_lines
 from jaxformer.errors import UserError
 
-# The perl in get_ende_bleu.sh runs on bytes, where \s is ASCII whitespace only
-# (e.g. U+00A0 is not a space to it); re.ASCII reproduces that. re.sub scans
-# left to right without overlaps exactly like perl's s///g, so "a-b-c" becomes
-# "a ##AT##-##AT## b-c" in both.
-_COMPOUND = re.compile(r"(\S)-(\S)", re.ASCII)
+# get_ende_bleu.sh's `perl -ple 's{(\S)-(\S)}{$1 ##AT##-##AT## $2}g'` reads
+# UTF-8 as bytes (no `use utf8`, no -C): each \S is one byte, and \s is only
+# the ASCII [ \t\n\v\f\r], so bytes >= 0x80 (0xA0 and 0x85 included) are \S.
+# A bytes pattern does the same. It matters: in "Pointe-à-Pitre" perl's first
+# match ends on the first byte of "à", so the second hyphen splits too; on
+# characters the "à" would be consumed and "à-Pitre" kept whole. re.sub scans
+# left to right without overlaps like perl's s///g ("a-b-c" -> "a ##AT##-##AT##
+# b-c" in both). A hyphen is ASCII, so the bytes around it are whole-character
+# boundaries and the result is valid UTF-8 again.
+_COMPOUND = re.compile(rb"(\S)-(\S)")
 
 
 def _check_same_length(hyps, refs):
@@ -50,24 +55,23 @@ def sacrebleu_scores(hyps: list[str], refs: list[str]) -> dict:
 
 def split_compounds(line: str) -> str:
   """Rewrites `Test-Fall` as `Test ##AT##-##AT## Fall` (get_ende_bleu.sh)."""
-  return _COMPOUND.sub(r"\1 ##AT##-##AT## \2", line)
+  return _COMPOUND.sub(rb"\1 ##AT##-##AT## \2", line.encode("utf-8")).decode("utf-8")
 
 
 @functools.cache
 def _moses():
   import sacremoses
-  return sacremoses.MosesPunctNormalizer(lang="de"), sacremoses.MosesTokenizer(
-      lang="de")
+  return sacremoses.MosesTokenizer(lang="de")
 
 
 def moses_tokenize(line: str) -> str:
-  """replace-unicode-punctuation.perl + tokenizer.perl -l de, as one string."""
-  norm, tok = _moses()
-  # get_ende_bleu.sh normalizes unicode punctuation of the hypothesis before
-  # tokenizing; doing it to the raw reference too keeps „“ vs "" from
-  # counting as errors.
-  return tok.tokenize(norm.replace_unicode_punct(line), return_str=True,
-                      escape=True)
+  """tokenizer.perl -l de (with its XML escapes), as one string."""
+  # No punctuation normalisation, so „Hallo“ against "Hallo" costs BLEU as in
+  # get_ende_bleu.sh when the paper was written (tensor2tensor 2017: tokenize,
+  # split, multi-bleu). A 2018 revision (t2t fc9335c0) added
+  # replace-unicode-punctuation.perl on the hypothesis only, against a reference
+  # tokenized beforehand; that is a different number from the paper's.
+  return _moses().tokenize(line, return_str=True, escape=True)
 
 
 def tokenized_bleu(hyps: list[str], refs: list[str],

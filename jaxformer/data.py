@@ -17,6 +17,7 @@ import tempfile
 
 import numpy as np
 
+from jaxformer import hub
 from jaxformer import tokenizer as tokenizer_lib
 from jaxformer.errors import UserError
 
@@ -99,20 +100,14 @@ def load_translation(source, split="train", src_lang="en", tgt_lang="de",
 
 
 def _load_hub(name, split, src_lang, tgt_lang, config, max_examples):
-  import datasets  # Lazy: heavy import, only needed for the hub path.
   if config is None:
     pair = {src_lang, tgt_lang}
     config = (f"{(pair - {'en'}).pop()}-en" if "en" in pair and len(pair) == 2
               else f"{src_lang}-{tgt_lang}")
   spec = split if max_examples is None else f"{split}[:{max_examples}]"
-  try:
-    ds = datasets.load_dataset(name, config, split=spec)
-  except Exception as e:  # Network, auth, unknown name/config/split.
-    msg = str(e).strip().split("\n")[0][:200]
-    raise UserError(
-        f"could not load {name}/{config} split '{split}' from the Hugging "
-        f"Face hub ({type(e).__name__}: {msg}); check the name or use local "
-        "files") from e
+  ds = hub.load_dataset(name, config, spec, local_hint=(
+      f"to use local text files set data.source=local data.train_src=FILE.{src_lang} "
+      f"data.train_tgt=FILE.{tgt_lang} (and data.dev_src/dev_tgt, data.test_src/test_tgt)"))
   pairs = ds["translation"]
   if pairs and (src_lang not in pairs[0] or tgt_lang not in pairs[0]):
     raise UserError(f"{name}/{config} has languages {sorted(pairs[0])}, not "

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer import data as data_lib
+from jaxformer import hub
 from jaxformer import losses
 from jaxformer import synthetic
 from jaxformer import tokenizer as tokenizer_lib
@@ -152,12 +153,8 @@ class LMTask:
       train_text, val_text = data_lib.nanogpt_split(text, d.train_fraction)
       train_docs, val_docs = [train_text], [val_text]
     elif d.source == "hub":
-      import datasets  # Lazy: only hub users pay for the import.
-      try:
-        ds = datasets.load_dataset(d.hub_name, d.hub_config)
-      except Exception as e:
-        raise UserError(f"could not load {d.hub_name}/{d.hub_config} from the Hugging Face hub "
-                        f"({type(e).__name__}); use data.source=local with data.text_path") from e
+      ds = hub.load_dataset(d.hub_name, d.hub_config,
+                            local_hint="to use a local text file set data.source=local data.text_path=FILE")
       train_docs, val_docs = ds["train"]["text"], ds["validation"]["text"]
     else:
       raise UserError(f"data.source={d.source!r}: a language model reads local or hub text")
