@@ -152,6 +152,9 @@ class DecodeConfig:
   top_k: int = 0
   top_p: float = 1.0
   max_new_tokens: int = 256
+  # KV-cache slots per row a sample may use (prefix + prompt + new tokens - 1) with RoPE, ALiBi,
+  # sinusoidal or no positions; learned positions never need more than model.max_len (they slide).
+  max_cache_len: int = 8192
 
 
 @dataclasses.dataclass(frozen=True)

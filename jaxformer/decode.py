@@ -1,7 +1,9 @@
 """Decoding on the KV cache: beam search for translation, sampling for language models.
 
 Every decoder runs in one `jit` as a `lax.while_loop` over steps and always goes
-through the model itself (`decode=True`), so there is one attention implementation.
+through the model itself (`decode=True`; past a learned-position table, sampling
+runs full forwards over the cropped context as nanoGPT does), so there is one
+attention implementation.
 The cache is the model's "cache" collection (see `layers.Attention`): static-size,
 written at a shared `cache_index`, with segment-0 slots invisible.
 
@@ -14,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxformer.errors import UserError
 from jaxformer.model import EncoderDecoder
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -205,9 +208,18 @@ def _sample(logits, rng, temperature, top_k, top_p, greedy, nucleus):
 
 
 def _lm_step(model, params, cache, tokens, segment, position):
+  """Feeds tokens [batch, len] through the cache -> next-token logits [batch, 1, vocab], cache."""
   logits, variables = model.apply({"params": params, "cache": cache}, tokens, segment, position,
-                                  decode=True, mutable=["cache"])
+                                  decode=True, last_only=True, mutable=["cache"])
   return logits, variables["cache"]
+
+
+def _left_padded(width, lengths, start):
+  """Rows of `lengths` real tokens at the end of `width` slots -> segment (0 on pads), positions from `start`."""
+  pad = width - lengths[:, None]
+  slot = jnp.arange(width)[None]
+  segment = (slot >= pad).astype(jnp.int32)
+  return segment, jnp.where(segment == 1, start + slot - pad, 0)     # both [batch, width]
 
 
 def _prefill(model, params, tokens, lengths, cache):
@@ -216,16 +228,43 @@ def _prefill(model, params, tokens, lengths, cache):
   Pad slots get segment 0 (invisible); positions count real tokens only, continuing
   after the prefix, so each row matches an unpadded run. -> last logits [batch, vocab], cache.
   """
-  width = tokens.shape[1]
-  pad = width - lengths[:, None]
-  slot = jnp.arange(width)[None]
-  segment = (slot >= pad).astype(jnp.int32)
-  position = jnp.where(segment == 1, _cache_index(cache) + slot - pad, 0)
+  segment, position = _left_padded(tokens.shape[1], lengths, _cache_index(cache))
   logits, cache = _lm_step(model, params, cache, tokens, segment, position)
   return logits[:, -1], cache
 
 
 _prefill_jit = jax.jit(_prefill, static_argnums=0)
+
+
+def sliding_window(model, fed, max_cache_len=None):
+  """How a sample that feeds `fed` tokens per row (prefix + prompt + new - 1) fits the model -> window.
+
+  Learned positions past the table (model.max_len) slide as nanoGPT does: each new
+  token sees the last max_len tokens at positions 0..max_len-1; returns max_len. Else
+  0: the cache holds all `fed` tokens, which with other positions (RoPE, ALiBi,
+  sinusoidal, none) may not exceed `max_cache_len` (None: no limit; UserError above).
+  """
+  cfg = model.cfg
+  if cfg.position == "learned":
+    return cfg.max_len if fed > cfg.max_len else 0
+  if max_cache_len is not None and fed > max_cache_len:
+    raise UserError(f"this sample needs {fed} KV-cache slots per row (prefix + prompt + new tokens - 1), above "
+                    f"decode.max_cache_len={max_cache_len}: ask for fewer new tokens or raise decode.max_cache_len")
+  return 0
+
+
+def _window_logits(model, params, seq, lengths, new, i, window):
+  """nanoGPT's crop: each row's last `window` tokens before new token i, at positions 0.. -> logits [batch, vocab].
+
+  seq [batch, window + width + max_new]: `window` PAD columns, the left-padded prompts
+  (lengths [batch]), the new tokens from column `new`. One full forward without the
+  cache, as nanoGPT's: learned positions shift with the window, so no key or value
+  computed at an earlier step is still valid. A row shorter than the window is
+  left-padded (segment 0), so its positions start at 0 too.
+  """
+  tokens = jax.lax.dynamic_slice_in_dim(seq, new + i - window, window, axis=1)
+  segment, position = _left_padded(window, jnp.minimum(lengths + i, window), 0)
+  return model.apply({"params": params}, tokens, segment, position, last_only=True)[:, -1]
 
 
 def _left_pad(prompts, lengths=None):
@@ -264,34 +303,52 @@ def prefill_prefix(model, params, prefix_ids, batch, max_len):
   return jax.tree.map(lambda x: x if x.ndim == 0 else jnp.repeat(x, batch, 0), cache)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "top_k", "greedy", "nucleus"))
+@functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "top_k", "greedy", "nucleus", "window"))
 def _generate(model, params, tokens, lengths, rng, cache, temperature, top_p, eos_id, max_new_tokens,
-              top_k, greedy, nucleus):
+              top_k, greedy, nucleus, window):
+  """`generate` in one program: prefill, cached steps, then (window > 0) nanoGPT's crop -> [batch, max_new_tokens]."""
   sample = functools.partial(_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                              greedy=greedy, nucleus=nucleus)
-  next_position = _cache_index(cache) + lengths               # [batch]
-  logits, cache = _prefill(model, params, tokens, lengths, cache)
-  first = sample(logits, jax.random.fold_in(rng, 0))
-  out = jnp.full((tokens.shape[0], max_new_tokens), PAD_ID, jnp.int32).at[:, 0].set(first)
-  done = first == eos_id
+  batch, width = tokens.shape
+  # One buffer for prompts and samples; `window` PAD columns in front keep the crop's start >= 0.
+  seq = jnp.concatenate([jnp.full((batch, window), PAD_ID, jnp.int32), tokens,
+                         jnp.full((batch, max_new_tokens), PAD_ID, jnp.int32)], 1)
+  new = window + width                                        # column of new token 0
+  # New tokens from the cache: all of them, or (sliding) while the longest row's next position fits the table.
+  cached = max_new_tokens if not window else min(max_new_tokens, window - width + 1)
 
-  def body(state):
-    i, out, done, cache = state
-    prev = out[:, i - 1][:, None]
-    logits, cache = _lm_step(model, params, cache, prev, jnp.ones_like(prev),
-                             (next_position + i - 1)[:, None])
-    token = jnp.where(done, PAD_ID, sample(logits[:, -1], jax.random.fold_in(rng, i)))
-    done = done | (token == eos_id)
-    return i + 1, out.at[:, i].set(token), done, cache
+  def emit(i, logits, seq, done):
+    token = jnp.where(done, PAD_ID, sample(logits, jax.random.fold_in(rng, i)))
+    return seq.at[:, new + i].set(token), done | (token == eos_id)
 
-  def cond(state):
-    return (state[0] < max_new_tokens) & ~jnp.all(state[2])
+  def running(until):
+    return lambda state: (state[0] < until) & ~jnp.all(state[2])
 
-  return jax.lax.while_loop(cond, body, (1, out, done, cache))[1]
+  i, done = 0, jnp.zeros(batch, bool)
+  if cached > 0:                                              # else the prompt alone overflows the table
+    next_position = _cache_index(cache) + lengths             # [batch]
+
+    def cached_step(state):
+      i, seq, done, cache = state
+      prev = jax.lax.dynamic_slice_in_dim(seq, new + i - 1, 1, axis=1)
+      logits, cache = _lm_step(model, params, cache, prev, jnp.ones_like(prev), (next_position + i - 1)[:, None])
+      return (i + 1, *emit(i, logits[:, -1], seq, done), cache)
+
+    logits, cache = _prefill(model, params, tokens, lengths, cache)
+    seq, done = emit(0, logits, seq, done)
+    i, seq, done, _ = jax.lax.while_loop(running(cached), cached_step, (1, seq, done, cache))
+  if cached < max_new_tokens:
+
+    def window_step(state):
+      i, seq, done = state
+      return (i + 1, *emit(i, _window_logits(model, params, seq, lengths, new, i, window), seq, done))
+
+    _, seq, done = jax.lax.while_loop(running(max_new_tokens), window_step, (i, seq, done))
+  return seq[:, new:]
 
 
 def generate(model, params, prompts, max_new_tokens, rng, temperature=1.0, top_k=0, top_p=1.0,
-             eos_id=None, lengths=None, prefix_cache=None):
+             eos_id=None, lengths=None, prefix_cache=None, max_cache_len=None):
   """Samples continuations of a batch of prompts with a decoder-only model.
 
   prompts: a list of token lists (any lengths), or a right-padded array [batch, width]
@@ -299,19 +356,31 @@ def generate(model, params, prompts, max_new_tokens, rng, temperature=1.0, top_k
   call, then one token per step. temperature 0 is greedy; top_k / top_p filter before
   sampling; `rng` (a key) fixes the sample. A row stops after `eos_id` (kept), then PAD.
   prefix_cache: from `prefill_prefix`; the prompts then continue that prefix.
+  Learned positions: past the table each new token sees the row's last max_len tokens
+  (nanoGPT's crop, one full forward per token; `sliding_window`). Other positions
+  keep every token in the cache, at most `max_cache_len` slots (None: no limit).
   Returns tokens [batch, max_new_tokens] (the new tokens only).
   """
+  if max_new_tokens < 1:
+    raise UserError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
   tokens, lengths = _left_pad(prompts, lengths)
-  needed = tokens.shape[1] + max_new_tokens - 1               # the last token is never fed back
+  batch, width = tokens.shape
+  needed = width + max_new_tokens - 1                         # the last token is never fed back
+  prefix = 0 if prefix_cache is None else int(_cache_index(prefix_cache))
+  window = sliding_window(model, prefix + needed, max_cache_len)
   if prefix_cache is None:
-    cache = init_cache(model, tokens.shape[0], needed)
+    # Sliding, the cache serves the steps until the table is full: none when the prompt alone overflows it.
+    cache = None if window and width > window else init_cache(model, batch, min(needed, window or needed))
+  elif window:  # the crop would cut into the prefix, whose cached keys hold positions that no longer apply
+    raise UserError(f"a prefix cache cannot slide past the {window}-position table (prefix + prompt + new tokens - 1 "
+                    f"= {prefix + needed}): put the prefix in the prompts instead, or ask for fewer tokens")
   else:
-    cache, needed = prefix_cache, needed + int(_cache_index(prefix_cache))
-    if needed > _cache_size(cache):  # writes past the end would be clamped, silently wrong
+    cache = prefix_cache
+    if prefix + needed > _cache_size(cache):  # writes past the end would be clamped, silently wrong
       raise ValueError(f"prefix cache has {_cache_size(cache)} slots; prefix + prompts + "
-                       f"max_new_tokens need {needed}")
+                       f"max_new_tokens need {prefix + needed}")
   # Temperature, p and EOS are traced (no recompiles); only the kind of sampling is static.
   return _generate(model, params, tokens, lengths, rng, cache, jnp.float32(temperature),
                    jnp.float32(top_p), jnp.int32(-1 if eos_id is None else eos_id),
                    max_new_tokens=max_new_tokens, top_k=int(top_k), greedy=bool(temperature == 0),
-                   nucleus=bool(top_p < 1.0))
+                   nucleus=bool(top_p < 1.0), window=window)

@@ -142,11 +142,15 @@ class DecoderOnly(nn.Module):
     if not cfg.tie_output:
       self.logits = layers.dense(cfg, cfg.vocab_size, ("embed", "vocab"), use_bias=False, name="logits")
 
-  def __call__(self, inputs, segment_ids=None, positions=None, deterministic=True, decode=False):
+  def __call__(self, inputs, segment_ids=None, positions=None, deterministic=True, decode=False,
+               last_only=False):
+    """-> logits [batch, length, vocab]; last_only: the last position's only, [batch, 1, vocab]."""
     # Token 0 may be a real token (e.g. a character) for LMs, so segments default to all ones.
     segment = jnp.ones_like(inputs, jnp.int32) if segment_ids is None else segment_ids
     position = _default_positions(inputs, positions)
     x = self.decoder(self.embed(inputs), segment, position, deterministic=deterministic, decode=decode)
+    if last_only:  # sampling needs the next token's logits only; XLA does not push the slice into the matmul
+      x = x[:, -1:]
     if self.cfg.tie_output:
       return self.embed.attend(x)
     return self.logits(x).astype(jnp.float32)
