@@ -22,7 +22,8 @@ from jaxformer.errors import UserError, cli
 def generate_text(model, params, tokenizer, cfg, prompts, max_new_tokens=200, temperature=0.8, top_k=0,
                   top_p=1.0, seed=0, prefix="", stop_at_eos=True):
   """Continues each prompt string; returns the generated continuations (prompt excluded)."""
-  ids = [tokenizer.encode(p) or [tokenizer.bos_id] for p in prompts]
+  bos = [tokenizer.bos_id] if cfg.data.add_bos else []  # Llama's prompts start with BOS
+  ids = [bos + tokenizer.encode(p) or [tokenizer.bos_id] for p in prompts]
   prefix_ids = tokenizer.encode(prefix) if prefix else []
   longest = max(len(x) for x in ids) + len(prefix_ids)
   if cfg.model.position == "learned" and longest + max_new_tokens > cfg.model.max_len:
