@@ -224,7 +224,8 @@ class MarianTokenizer(Tokenizer):
 
   Sources are split by source.spm, targets (`encode_target`) by target.spm; unknown pieces
   get <unk>'s id. A leading language code such as `>>de<<` is one token. Decoding maps ids
-  to pieces and joins them with target.spm. pad = decoder start; eos ends every source.
+  to pieces, drops the special ones (<unk> too, as `decode(ids, skip_special_tokens=True)`)
+  and joins them with target.spm. pad = decoder start; eos ends every source.
   Stored as one JSON file {"type": "marian", "vocab", "source_spm", "target_spm"} (the
   models base64-encoded), so a workdir's tokenizer is one file like every other kind.
   """
@@ -297,16 +298,11 @@ class MarianTokenizer(Tokenizer):
     return self._encode(text, self.target)
 
   def _decode_clean(self, ids):
-    # As transformers' convert_tokens_to_string: special tokens are kept as text.
-    out, run = "", []
-    for piece in (self.pieces.get(i, "<unk>") for i in ids):
-      if piece in self.specials:
-        out += self.target.decode_pieces(run) + piece + " "
-        run = []
-      else:
-        run.append(piece)
-    out += self.target.decode_pieces(run)
-    return out.replace("\u2581", " ").strip()
+    # As transformers' decode(ids, skip_special_tokens=True): specials (<unk> too) are dropped,
+    # the pieces joined by sentencepiece, then "\u2581" -> " " and stripped.
+    pieces = [self.pieces.get(i, "<unk>") for i in ids]
+    text = self.target.decode_pieces([p for p in pieces if p not in self.specials])
+    return text.replace("\u2581", " ").strip()
 
 
 def load_tokenizer(path):
