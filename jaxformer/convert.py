@@ -640,7 +640,9 @@ def generation_config(cfg, kind, workdir):
   gen = _read_json(path, "") if os.path.isfile(path) else {}
   gen.pop("transformers_version", None)
   m, d = cfg.model, cfg.decode
-  gen.update(bos_token_id=gen.get("bos_token_id", m.bos_id), eos_token_id=gen.get("eos_token_id", m.eos_id))
+  gen.setdefault("eos_token_id", m.eos_id)
+  if kind != "marian":  # Marian has no BOS: it starts from decoder_start_token_id
+    gen.setdefault("bos_token_id", m.bos_id)
   if kind == "marian":
     gen.update(decoder_start_token_id=m.bos_id, pad_token_id=m.pad_id, num_beams=d.beam_size)
     if d.length_penalty == "hf":

@@ -134,7 +134,7 @@ def load_run(workdir, average_last=0, step=None, log=print, overrides=()):
 def evaluate_translation(cfg, model, params, tokenizer, split, out_path=None, beam_size=None, alpha=None,
                          limit=0, log=print):
   """Decodes a split, writes the hypotheses, and returns the BLEU scores."""
-  splits = tasks.load_translation_splits(cfg)
+  splits = tasks.load_translation_splits(cfg, need_train=False)
   if split not in splits:
     raise UserError(f"the config has no {split} split (it has {', '.join(splits)})")
   sources, refs = splits[split]

@@ -37,8 +37,11 @@ def local_file(key, path):
   return path
 
 
-def load_translation_splits(cfg: Config):
-  """{"train": (src, tgt), "dev": ..., "test": ...} as lists of str, from the configured source."""
+def load_translation_splits(cfg: Config, need_train=True):
+  """{"train": (src, tgt), "dev": ..., "test": ...} as lists of str, from the configured source.
+
+  need_train=False (evaluation, e.g. of a converted model): a local source may give only dev/test files.
+  """
   d = cfg.data
   if d.source == "synthetic":
     en, de = synthetic.numbers_corpus(d.synthetic_size, seed=0)
@@ -57,7 +60,7 @@ def load_translation_splits(cfg: Config):
       if src or tgt:
         splits[split] = data_lib.read_parallel(local_file(f"data.{split}_src", src),
                                                local_file(f"data.{split}_tgt", tgt))
-    if "train" not in splits:
+    if "train" not in splits and need_train:
       raise UserError("data.source=local needs data.train_src and data.train_tgt")
     return splits
   raise UserError(f"data.source={d.source!r}: choose local, hub or synthetic")
