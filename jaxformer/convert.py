@@ -19,6 +19,7 @@ parameter as its HF tensor is made.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -26,6 +27,7 @@ import os
 import re
 import shutil
 
+import jax
 import numpy as np
 
 from jaxformer import checkpoint as checkpoint_lib
@@ -88,9 +90,9 @@ class SafetensorsReader:
       return tuple(f.get_slice(name).get_shape())
 
   def get(self, name):
-    """One tensor as float32 numpy (bf16 / fp16 checkpoints are widened exactly)."""
+    """One tensor as numpy, in its stored dtype (bf16 through ml_dtypes)."""
     with self._open(self.location[name], framework="np") as f:
-      return np.asarray(f.get_tensor(name), np.float32)
+      return f.get_tensor(name)
 
 
 # ----------------------------------------------------------------------------- tensor mapping
@@ -222,8 +224,9 @@ def marian_tensors(m):
       if side == "decoder":
         t += _attention(f"{h}.encoder_attn", ours + ("cross_attention",), names, True)
         t += _norm(f"{h}.encoder_attn_layer_norm", ours + ("cross_attention_norm",))
-      t += [_linear(f"{h}.fc1.weight", ours + ("ffn", "wi", "kernel")), _vector(f"{h}.fc1.bias", ours + ("ffn", "wi", "bias")),
-            _linear(f"{h}.fc2.weight", ours + ("ffn", "wo", "kernel")), _vector(f"{h}.fc2.bias", ours + ("ffn", "wo", "bias"))]
+      for hf_name, our_name in (("fc1", "wi"), ("fc2", "wo")):
+        t += [_linear(f"{h}.{hf_name}.weight", ours + ("ffn", our_name, "kernel")),
+              _vector(f"{h}.{hf_name}.bias", ours + ("ffn", our_name, "bias"))]
       t += _norm(f"{h}.final_layer_norm", ours + ("ffn_norm",))
   if not m.tie_output:
     t.append(_linear("lm_head.weight", ("logits", "kernel")))
@@ -271,10 +274,12 @@ def _rope(hf):
     fields.update(rope_low_freq_factor=float(params["low_freq_factor"]),
                   rope_high_freq_factor=float(params["high_freq_factor"]))
   else:
-    fields.update(rope_beta_fast=float(params.get("beta_fast") or 32), rope_beta_slow=float(params.get("beta_slow") or 1),
+    fields.update(rope_beta_fast=float(params.get("beta_fast") or 32),
+                  rope_beta_slow=float(params.get("beta_slow") or 1),
                   rope_truncate=bool(params.get("truncate", True)),
                   rope_attention_factor=params.get("attention_factor"),
-                  rope_mscale=float(params.get("mscale") or 0.0), rope_mscale_all_dim=float(params.get("mscale_all_dim") or 0.0))
+                  rope_mscale=float(params.get("mscale") or 0.0),
+                  rope_mscale_all_dim=float(params.get("mscale_all_dim") or 0.0))
   return fields
 
 
@@ -295,7 +300,8 @@ def gpt2_config(hf, gen):
                  "attention (1/sqrt(head_dim) only)")
   d, eos = hf["n_embd"], _eos(hf)
   model = dict(arch="decoder_only", vocab_size=hf["vocab_size"], d_model=d, num_heads=hf["n_head"],
-               num_layers=hf["n_layer"], d_ff=hf.get("n_inner") or 4 * d, activation=_activation(hf, "activation_function"),
+               num_layers=hf["n_layer"], d_ff=hf.get("n_inner") or 4 * d,
+               activation=_activation(hf, "activation_function"),
                norm="layernorm", norm_position="pre", norm_eps=hf.get("layer_norm_epsilon", 1e-5), use_bias=True,
                position="learned", max_len=hf["n_positions"], tie_output=hf.get("tie_word_embeddings", True),
                scale_embeddings=False, kernel_init="normal", init_std=hf.get("initializer_range", 0.02),
@@ -315,7 +321,8 @@ def llama_config(hf, gen):
   model = dict(arch="decoder_only", vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], num_heads=heads,
                num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=hf.get("head_dim"),
                num_layers=hf["num_hidden_layers"], d_ff=hf["intermediate_size"], activation="swiglu", norm="rmsnorm",
-               norm_position="pre", norm_eps=hf.get("rms_norm_eps", 1e-6), use_bias=bool(hf.get("attention_bias", False)),
+               norm_position="pre", norm_eps=hf.get("rms_norm_eps", 1e-6),
+               use_bias=bool(hf.get("attention_bias", False)),
                max_len=hf.get("max_position_embeddings", 2048), tie_output=hf.get("tie_word_embeddings", False),
                scale_embeddings=False, kernel_init="normal", init_std=hf.get("initializer_range", 0.02),
                dropout_rate=0.0, attention_dropout_rate=hf.get("attention_dropout", 0.0),
@@ -425,7 +432,7 @@ def read_params(reader, cfg, kind, where):
     if tuple(have) != tuple(expected):
       raise UserError(f"{where}: tensor {name} has shape {list(have)} but config.json implies {list(expected)} "
                       "(mismatched config.json and weights)")
-    for path, value in zip(t.ours, t.to_ours(reader.get(name), want)):
+    for path, value in zip(t.ours, t.to_ours(reader.get(name), want)):  # bf16/fp16 widen exactly
       _set(params, path, np.ascontiguousarray(value, np.float32))
     used.update((t.hf,) + t.aliases)
   extra = [n for n in reader.location if n not in used and not _IGNORED.search(n)]
@@ -467,6 +474,23 @@ def import_tokenizer(hf_dir, cfg, kind, workdir):
   return dest
 
 
+@contextlib.contextmanager
+def _numpy_saved_in_place():
+  """Orbax deep-copies numpy leaves before writing them (a guard against their change during an
+  asynchronous save): for a params tree nothing else touches, that copy would double the peak."""
+  import orbax.checkpoint as ocp
+  from absl import logging as absl_logging  # orbax logs a warning on every re-registration
+  handlers, verbosity = ocp.type_handlers, absl_logging.get_verbosity()
+  old = handlers.get_type_handler(np.ndarray)
+  absl_logging.set_verbosity(absl_logging.ERROR)
+  handlers.register_type_handler(np.ndarray, handlers.NumpyHandler(deepcopy_host_arrays=False), override=True)
+  try:
+    yield
+  finally:
+    handlers.register_type_handler(np.ndarray, old, override=True)
+    absl_logging.set_verbosity(verbosity)
+
+
 def from_hf(hf_dir, workdir, log=print):
   """Converts an HF folder into a jaxformer workdir; returns the Config."""
   if not os.path.isdir(hf_dir):
@@ -483,7 +507,8 @@ def from_hf(hf_dir, workdir, log=print):
       json.dump(content, f, indent=2)
   meta = {"step": 0, "config": cfg.name, "tokenizer": tok_path, "tokenizer_sha256": evaluate.file_sha256(tok_path),
           "converted_from": os.path.abspath(hf_dir), "hf_model_type": kind}
-  checkpoint_lib.save_params(workdir, params, step=0, meta=meta)
+  with _numpy_saved_in_place():
+    checkpoint_lib.save_params(workdir, params, step=0, meta=meta)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config_lib.to_json(cfg))
   n = sum(_get(params, p).size for p in _leaf_paths(params))
@@ -543,7 +568,8 @@ def hf_config_for(cfg, kind, base=None):
       rope.update(rope_type="llama3", factor=m.rope_scaling_factor, low_freq_factor=m.rope_low_freq_factor,
                   high_freq_factor=m.rope_high_freq_factor, original_max_position_embeddings=m.rope_original_max_len)
     elif m.rope_scaling == "yarn":
-      rope.update(rope_type="yarn", factor=m.rope_scaling_factor, beta_fast=m.rope_beta_fast, beta_slow=m.rope_beta_slow,
+      rope.update(rope_type="yarn", factor=m.rope_scaling_factor, beta_fast=m.rope_beta_fast,
+                  beta_slow=m.rope_beta_slow,
                   original_max_position_embeddings=m.rope_original_max_len, truncate=m.rope_truncate)
       if m.rope_attention_factor is not None:
         rope["attention_factor"] = m.rope_attention_factor
@@ -597,9 +623,47 @@ def export_tokenizer(cfg, kind, workdir, out):
     json.dump(config, f, indent=2)
 
 
-def to_hf(workdir, out, step=None, dtype="float32", log=print):
-  """Writes `out/config.json`, `out/model.safetensors` and the tokenizer from a workdir's checkpoint."""
+def _write_shards(out, tensors_iter, max_shard_mb):
+  """Writes (name, array) pairs as safetensors shards of at most max_shard_mb each, in order.
+
+  One shard is `model.safetensors`; more are `model-0000k-of-0000n.safetensors` plus
+  `model.safetensors.index.json`, as transformers writes them. Only the shard being written is
+  held (safetensors serialises a whole file at once).
+  """
   from safetensors.numpy import save_file
+  written, current, size = [], {}, 0
+
+  def flush():
+    path = os.path.join(out, f".shard-{len(written)}.tmp")
+    save_file(current, path, metadata={"format": "pt"})
+    written.append((path, list(current), sum(v.nbytes for v in current.values())))
+
+  for name, value in tensors_iter:
+    if current and size + value.nbytes > max_shard_mb * 2**20:
+      flush()
+      current, size = {}, 0
+    current[name] = value
+    size += value.nbytes
+  flush()
+  current = None
+  if len(written) == 1:
+    os.replace(written[0][0], os.path.join(out, "model.safetensors"))
+    return
+  weight_map = {}
+  for i, (path, names, _) in enumerate(written):
+    fname = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
+    os.replace(path, os.path.join(out, fname))
+    weight_map.update({n: fname for n in names})
+  with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+    json.dump({"metadata": {"total_size": sum(w[2] for w in written)}, "weight_map": weight_map}, f, indent=2)
+
+
+def to_hf(workdir, out, step=None, dtype="float32", max_shard_mb=2048, log=print):
+  """Writes `out/config.json`, the safetensors weights and the tokenizer from a workdir's checkpoint.
+
+  Each parameter is dropped once its HF tensor is made, so the peak is about one copy of the
+  model plus one shard (`max_shard_mb`).
+  """
   cfg, _, params, _, meta = evaluate.load_run(workdir, step=step, log=lambda *_: None)
   base_path = os.path.join(workdir, "hf_config.json")
   base = _read_json(base_path, "") if os.path.isfile(base_path) else None
@@ -608,31 +672,31 @@ def to_hf(workdir, out, step=None, dtype="float32", log=print):
   if os.path.exists(os.path.join(out, "config.json")):
     raise UserError(f"--out {out} already holds a model: choose a new directory")
   os.makedirs(out, exist_ok=True)
-  np_dtype = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16}[dtype]
   if dtype == "bfloat16":
-    import ml_dtypes
+    import ml_dtypes  # numpy's bfloat16 (a JAX dependency)
     np_dtype = ml_dtypes.bfloat16
-  tensors = {}
-  params = jax_to_numpy_tree(params)
-  for t in TENSORS[kind](cfg.model):
-    value = t.to_hf(tuple(_get(params, p) for p in t.ours))
-    tensors[t.hf] = np.ascontiguousarray(value).astype(np_dtype)
-    for p in t.ours:  # free each parameter once written: the peak stays near one copy of the model
-      _set(params, p, None)
-  save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+  else:
+    np_dtype = np.dtype(dtype)
+  params = jax.tree.map(lambda x: x, params)  # our own dict tree, emptied as we go
+  count = [0]
+
+  def tensors():
+    for t in TENSORS[kind](cfg.model):
+      value = t.to_hf(tuple(np.asarray(_get(params, p)) for p in t.ours))
+      for p in t.ours:  # free each parameter once converted: the peak stays near one copy of the model
+        _set(params, p, None)
+      count[0] += value.size
+      yield t.hf, np.ascontiguousarray(value).astype(np_dtype, copy=False)
+
+  _write_shards(out, tensors(), max_shard_mb)
   hf["dtype"] = dtype
   with open(os.path.join(out, "config.json"), "w") as f:
     json.dump(hf, f, indent=2)
-  gen = generation_config(cfg, kind, workdir)
   with open(os.path.join(out, "generation_config.json"), "w") as f:
-    json.dump(gen, f, indent=2)
+    json.dump(generation_config(cfg, kind, workdir), f, indent=2)
   export_tokenizer(cfg, kind, workdir, out)
-  log(f"wrote {kind} ({sum(x.size for x in tensors.values()):,} parameters, {dtype}) to {out}")
+  log(f"wrote {kind} ({count[0]:,} parameters, {dtype}) to {out}")
   return out
-
-
-def jax_to_numpy_tree(params):
-  return {k: jax_to_numpy_tree(v) if isinstance(v, dict) else np.asarray(v) for k, v in params.items()}
 
 
 def generation_config(cfg, kind, workdir):
@@ -646,7 +710,8 @@ def generation_config(cfg, kind, workdir):
   if kind == "marian":
     gen.update(decoder_start_token_id=m.bos_id, pad_token_id=m.pad_id, num_beams=d.beam_size)
     if d.length_penalty == "hf":
-      gen.update(length_penalty=d.alpha, early_stopping={"false": False, "true": True}.get(d.hf_early_stopping, "never"))
+      early = {"false": False, "true": True}.get(d.hf_early_stopping, "never")
+      gen.update(length_penalty=d.alpha, early_stopping=early)
     if d.suppress_pad:
       gen["bad_words_ids"] = [[m.pad_id]]
   return gen
@@ -666,6 +731,7 @@ def parse_args(argv):
   parser.add_argument("--step", type=int, default=None, help="with --to-hf: checkpoint step (default: latest)")
   parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                       help="with --to-hf: tensor dtype written")
+  parser.add_argument("--max-shard-mb", type=int, default=2048, help="with --to-hf: safetensors shard size")
   return parser.parse_intermixed_args(argv)
 
 
@@ -679,7 +745,7 @@ def main(argv):
     return from_hf(args.from_hf, args.workdir)
   if not args.out:
     raise UserError("--to-hf needs --out DIR (the Hugging Face folder to write)")
-  return to_hf(args.to_hf, args.out, args.step, args.dtype)
+  return to_hf(args.to_hf, args.out, args.step, args.dtype, args.max_shard_mb)
 
 
 if __name__ == "__main__":
