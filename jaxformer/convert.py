@@ -13,9 +13,10 @@ Export writes `config.json`, `model.safetensors` (the same tensor names HF saves
 tokenizer files, which transformers' `from_pretrained` loads.
 
 Memory: tensors are read one at a time (safetensors maps the files; only the tensor being
-converted is copied), so the peak is the float32 parameter tree being assembled plus one
-tensor, not the checkpoint plus the tree (BENCHMARKS.md measures it). Export frees each
-parameter as its HF tensor is made.
+converted is copied) and keep their dtype (bf16 for Llama: restoring widens them to float32
+exactly), so the peak is the tree being written (the source's size) plus one tensor and Orbax's
+write buffers, not the checkpoint plus a float32 copy (BENCHMARKS.md measures it). Export frees
+each parameter as its HF tensor is made and writes one shard at a time.
 """
 
 import argparse
@@ -432,8 +433,9 @@ def read_params(reader, cfg, kind, where):
     if tuple(have) != tuple(expected):
       raise UserError(f"{where}: tensor {name} has shape {list(have)} but config.json implies {list(expected)} "
                       "(mismatched config.json and weights)")
-    for path, value in zip(t.ours, t.to_ours(reader.get(name), want)):  # bf16/fp16 widen exactly
-      _set(params, path, np.ascontiguousarray(value, np.float32))
+    for path, value in zip(t.ours, t.to_ours(reader.get(name), want)):
+      # Kept in the checkpoint's own dtype (bf16 for Llama): restoring widens it to float32 exactly.
+      _set(params, path, np.ascontiguousarray(value))
     used.update((t.hf,) + t.aliases)
   extra = [n for n in reader.location if n not in used and not _IGNORED.search(n)]
   if extra:

@@ -312,7 +312,7 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
 
 def sample_text(model, params, tokenizer, cfg, step, prompt="\n", max_new_tokens=200):
   """A short sample from a decoder-only model (temperature 0.8, top-k 200, as nanoGPT samples)."""
-  ids = tokenizer.encode(prompt) or [tokenizer.bos_id]
+  ids = ([tokenizer.bos_id] if cfg.data.add_bos else []) + tokenizer.encode(prompt) or [tokenizer.bos_id]
   if cfg.model.position == "learned":  # the position table bounds the length
     max_new_tokens = min(max_new_tokens, cfg.model.max_len - len(ids))
   tokens = decode.generate(model, params, [ids], max_new_tokens, jax.random.PRNGKey(step),

@@ -16,7 +16,9 @@ import tempfile
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
+from etils import epath
 from safetensors import safe_open
 
 from jaxformer import checkpoint as checkpoint_lib
@@ -70,8 +72,8 @@ def test_logits_and_hidden_states_match_transformers(converted, name):
   _, cfg, model, params, _ = converted(name)
   arrays, _ = expected(name)
   if name == "marian":
-    logits, inter = model.apply({"params": params}, jnp.asarray(arrays["inputs"]), jnp.asarray(arrays["decoder_inputs"]),
-                                capture_intermediates=True)
+    logits, inter = model.apply({"params": params}, jnp.asarray(arrays["inputs"]),
+                                jnp.asarray(arrays["decoder_inputs"]), capture_intermediates=True)
     inter = inter["intermediates"]
     for side, mask in (("encoder", arrays["attention_mask"][..., None]), ("decoder", 1)):
       hidden = arrays[f"{side}_hidden_states"]  # [layers + 1, batch, length, d]: the input, then each layer's output
@@ -177,6 +179,29 @@ def test_export_writes_the_original_tensors_and_reimports_bitwise(converted, nam
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), reloaded, params)
 
 
+def test_bfloat16_checkpoints_stay_bfloat16_in_the_workdir_and_export_back(tmp_path):
+  import ml_dtypes
+  from safetensors.numpy import save_file
+  source = tmp_path / "gpt2_bf16"
+  shutil.copytree(FIXTURES / "gpt2", source)
+  bf16 = {k: v.astype(ml_dtypes.bfloat16) for k, v in hf_tensors(source).items()}
+  save_file(bf16, str(source / "model.safetensors"))
+  workdir = str(tmp_path / "w")
+  convert.from_hf(str(source), workdir, **QUIET)
+  stored = ocp.StandardCheckpointHandler().metadata(epath.Path(workdir) / "checkpoints" / "0" / "state").tree
+  assert {str(m.dtype) for m in jax.tree.leaves(stored)} == {"bfloat16"}  # half the bytes of float32
+  _, _, params, _, _ = evaluate.load_run(workdir, **QUIET)
+  embedding = np.asarray(params["embed"]["embedding"])
+  assert embedding.dtype == np.float32  # restored as float32, widened exactly
+  np.testing.assert_array_equal(embedding, bf16["transformer.wte.weight"].astype(np.float32))
+  out = tmp_path / "out"
+  convert.to_hf(workdir, str(out), dtype="bfloat16", **QUIET)
+  exported = hf_tensors(out)
+  assert sorted(exported) == sorted(bf16)
+  for key, value in bf16.items():
+    assert exported[key].dtype == value.dtype and np.array_equal(exported[key], value), key
+
+
 # ----------------------------------------------------------------------------- errors
 
 
@@ -209,7 +234,8 @@ def edited_copy(tmp_path, name, edit):
 def test_unsupported_architectures_and_mismatched_files_are_one_line_errors(tmp_path, capsys):
   w = str(tmp_path / "w")
   assert_one_line_error(capsys, r"model_type 'bert' is not supported.*gpt2, llama, marian",
-                        "--from-hf", edited_copy(tmp_path, "gpt2", lambda c: c.update(model_type="bert")), "--workdir", w)
+                        "--from-hf", edited_copy(tmp_path, "gpt2", lambda c: c.update(model_type="bert")),
+                        "--workdir", w)
   assert_one_line_error(capsys, r"has no tensor transformer\.h\.2\.ln_1\.weight",
                         "--from-hf", edited_copy(tmp_path, "gpt2", lambda c: c.update(n_layer=3)), "--workdir", w)
   assert_one_line_error(capsys, r"tensor\(s\) the config does not use, e\.g\. model\.layers\.1\.",
@@ -219,7 +245,8 @@ def test_unsupported_architectures_and_mismatched_files_are_one_line_errors(tmp_
                         "--from-hf", edited_copy(tmp_path, "llama", lambda c: c.update(vocab_size=401)), "--workdir", w)
   assert_one_line_error(capsys, r"rope type='dynamic' is not supported.*default, llama3, yarn",
                         "--from-hf", edited_copy(tmp_path, "llama", lambda c: c.update(
-                            rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})), "--workdir", w)
+                            rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})),
+                        "--workdir", w)
   empty = tmp_path / "no_weights"
   empty.mkdir()
   shutil.copy(FIXTURES / "gpt2" / "config.json", empty)
@@ -270,5 +297,6 @@ def test_converted_workdirs_generate_translate_and_fine_tune(converted, tmp_path
       "train.eval_batches=1", "train.sample_every_eval=false", "optim.learning_rate=0.0"])
   result = train.train_and_evaluate(ft_cfg, fine, **QUIET)
   assert int(result["state"]["step"]) == 2 and os.path.isfile(os.path.join(fine, "tokenizer.json"))
-  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), result["state"]["params"], params)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               result["state"]["params"], params)
   assert np.isfinite(result["loss"])
