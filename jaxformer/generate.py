@@ -22,9 +22,9 @@ from jaxformer.errors import UserError, cli
 def generate_text(model, params, tokenizer, cfg, prompts, max_new_tokens=200, temperature=0.8, top_k=0,
                   top_p=1.0, seed=0, prefix="", stop_at_eos=True):
   """Continues each prompt string; returns the generated continuations (prompt excluded)."""
-  bos = [tokenizer.bos_id] if cfg.data.add_bos else []  # Llama's prompts start with BOS
-  ids = [bos + tokenizer.encode(p) or [tokenizer.bos_id] for p in prompts]
-  prefix_ids = tokenizer.encode(prefix) if prefix else []
+  bos = [tokenizer.bos_id] if cfg.data.add_bos else []  # Llama's text starts with BOS: the prefix's, else each prompt's
+  prefix_ids = bos + tokenizer.encode(prefix) if prefix else []
+  ids = [([] if prefix else bos) + tokenizer.encode(p) or [tokenizer.bos_id] for p in prompts]
   longest = max(len(x) for x in ids) + len(prefix_ids)
   if cfg.model.position == "learned" and longest + max_new_tokens > cfg.model.max_len:
     raise UserError(f"prompt ({longest} tokens) + --max-new-tokens {max_new_tokens} exceeds the model's "
