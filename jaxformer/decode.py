@@ -7,7 +7,9 @@ attention implementation.
 The cache is the model's "cache" collection (see `layers.Attention`): static-size,
 written at a shared `cache_index`, with segment-0 slots invisible.
 
-Conventions: PAD=0, BOS=1, EOS=2. Translation inputs are right-padded with PAD.
+Conventions: PAD=0, BOS=1, EOS=2 by default; a model's own ids are `model.cfg.pad_id`,
+`bos_id` (the decoder start token) and `eos_id` (Marian: 58100, 58100, 0). Translation
+inputs are right-padded with PAD.
 """
 
 import functools
@@ -19,7 +21,7 @@ import numpy as np
 from jaxformer.errors import UserError
 from jaxformer.model import EncoderDecoder
 
-PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # the defaults of ModelConfig.pad_id / bos_id / eos_id
 
 
 def init_cache(model, batch, max_len):
@@ -47,8 +49,12 @@ def _cache_size(cache):
   return next(x for x in jax.tree.leaves(cache) if x.ndim >= 2).shape[1]
 
 
-def length_penalty(length, alpha):
-  """GNMT's ((5 + length) / 6)^alpha (Wu et al. 2016); scores are log-prob / penalty."""
+def length_penalty(length, alpha, kind="gnmt"):
+  """Scores are log-prob / penalty. gnmt: ((5 + length) / 6)^alpha (Wu et al. 2016, the
+  paper's); hf: length^alpha (Hugging Face's `length_penalty`). length counts the generated
+  tokens including EOS, not BOS / the decoder start token (in both)."""
+  if kind == "hf":
+    return jnp.asarray(length, jnp.float32) ** alpha
   return ((5.0 + length) / 6.0) ** alpha
 
 
@@ -57,37 +63,47 @@ def length_penalty(length, alpha):
 
 def _encode(model, params, inputs):
   """inputs [batch, src] (right-padded) -> encoded, source segments, source lengths."""
-  segment = (inputs != PAD_ID).astype(jnp.int32)
+  segment = (inputs != model.cfg.pad_id).astype(jnp.int32)
   encoded = model.apply({"params": params}, inputs, segment, method="encode")
   return encoded, segment, segment.sum(-1)
 
 
-def _translate_step(model, params, cache, encoded, src_segment, ids, index):
-  """Feeds ids [rows] at decoder position `index` -> log-probs [rows, vocab], new cache."""
+def _translate_step(model, params, cache, encoded, src_segment, ids, index, suppress_pad=False):
+  """Feeds ids [rows] at decoder position `index` -> log-probs [rows, vocab], new cache.
+
+  suppress_pad: the pad id's log-prob becomes -inf *after* the softmax, as HF's bad-words
+  processor does (the other log-probs are not renormalised).
+  """
   ids = ids[:, None]
   logits, variables = model.apply(
       {"params": params, "cache": cache}, encoded, src_segment, ids,
       targets_segmentation=jnp.ones_like(ids),  # a generated PAD is still a real token
       targets_position=jnp.full_like(ids, index), decode=True, method="decode", mutable=["cache"])
-  return jax.nn.log_softmax(logits[:, -1]), variables["cache"]
+  logp = jax.nn.log_softmax(logits[:, -1])
+  if suppress_pad:
+    logp = logp.at[:, model.cfg.pad_id].set(-jnp.inf)
+  return logp, variables["cache"]
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_extra_len"))
-def greedy_translate(model, params, inputs, max_extra_len=50, eos_id=EOS_ID):
+@functools.partial(jax.jit, static_argnames=("model", "max_extra_len", "suppress_pad"))
+def greedy_translate(model, params, inputs, max_extra_len=50, eos_id=None, suppress_pad=False):
   """Greedy decoding. inputs [batch, src] -> tokens [batch, src + max_extra_len] (no BOS; PAD after EOS).
 
-  Row b stops at EOS or after its own source length + max_extra_len tokens.
+  Row b stops at EOS (default `model.cfg.eos_id`) or after its own source length +
+  max_extra_len tokens. suppress_pad: never emit the pad id.
   """
+  pad_id, bos_id = model.cfg.pad_id, model.cfg.bos_id
+  eos_id = model.cfg.eos_id if eos_id is None else eos_id
   batch, width = inputs.shape
   max_len = width + max_extra_len
   encoded, src_segment, src_len = _encode(model, params, inputs)
   row_max = src_len + max_extra_len
-  seqs = jnp.full((batch, max_len + 1), PAD_ID, jnp.int32).at[:, 0].set(BOS_ID)
+  seqs = jnp.full((batch, max_len + 1), pad_id, jnp.int32).at[:, 0].set(bos_id)
 
   def body(state):
     i, seqs, done, cache = state
-    logp, cache = _translate_step(model, params, cache, encoded, src_segment, seqs[:, i], i)
-    token = jnp.where(done, PAD_ID, jnp.argmax(logp, -1))
+    logp, cache = _translate_step(model, params, cache, encoded, src_segment, seqs[:, i], i, suppress_pad)
+    token = jnp.where(done, pad_id, jnp.argmax(logp, -1))
     done = done | (token == eos_id) | (i + 1 >= row_max)
     return i + 1, seqs.at[:, i + 1].set(token), done, cache
 
@@ -113,21 +129,33 @@ def _take(x, index):
   return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "beam_size", "alpha", "max_extra_len"))
-def beam_search(model, params, inputs, beam_size=4, alpha=0.6, max_extra_len=50, eos_id=EOS_ID):
+@functools.partial(jax.jit, static_argnames=("model", "beam_size", "alpha", "max_extra_len", "length_penalty_kind",
+                                             "early_stopping", "suppress_pad"))
+def beam_search(model, params, inputs, beam_size=4, alpha=0.6, max_extra_len=50, eos_id=None,
+                length_penalty_kind="gnmt", early_stopping="false", suppress_pad=False):
   """Beam search as in tensor2tensor / the Flax WMT example, batched on the KV cache.
 
   inputs [batch, src] (right-padded) -> tokens [batch, beam, src + max_extra_len] (no
   BOS; PAD after EOS), scores [batch, beam], best first.
 
-  Scores follow tensor2tensor: log-prob / length_penalty(len, alpha), where len counts
+  Scores are log-prob / length_penalty(len, alpha, length_penalty_kind), where len counts
   the generated tokens *including* EOS (not BOS). Each step ranks 2 * beam_size
   candidates; those that end (EOS, or reaching row b's limit of source length +
   max_extra_len tokens, where they finish as they are) and rank in the top beam_size
   join a finished set of the beam_size best; the alive set keeps the best beam_size
-  that did not end. A row stops early once no alive hypothesis can beat its worst
-  finished one. Slots with no hypothesis (tiny vocabularies) score -inf.
+  that did not end. Slots with no hypothesis (tiny vocabularies) score -inf.
+
+  When a row stops: with gnmt (the paper's), once no alive hypothesis can beat its worst
+  finished one (an exact bound). With hf, by Hugging Face's rules (`generate(num_beams=k)`,
+  transformers' `_beam_search`) and its `early_stopping`: "false" (HF's default) stops a
+  row for good once all beam_size slots are finished and the best alive log-prob divided
+  by the *current* length's penalty cannot beat the worst of them; "never" uses the
+  longest allowed length there; "true" also stops a row as soon as its slots are full.
+  suppress_pad: never emit the pad id (Marian's generation_config bans it).
   """
+  eos_id = model.cfg.eos_id if eos_id is None else eos_id
+  lp = functools.partial(length_penalty, alpha=alpha, kind=length_penalty_kind)
+  hf = length_penalty_kind == "hf"
   batch, width = inputs.shape
   k, max_len = beam_size, width + max_extra_len
   encoded, src_segment, src_len = _encode(model, params, inputs)
@@ -138,7 +166,7 @@ def beam_search(model, params, inputs, beam_size=4, alpha=0.6, max_extra_len=50,
   def body(s):
     i = s["i"]
     logp, cache = _translate_step(model, params, s["cache"], encoded, src_segment,
-                                  s["alive_seqs"][:, :, i].reshape(-1), i)
+                                  s["alive_seqs"][:, :, i].reshape(-1), i, suppress_pad)
     logp = logp.reshape(batch, k, -1) + s["alive_logp"][:, :, None]
     vocab = logp.shape[-1]
     # 2k candidates, so k survive even if k of them end here.
@@ -152,24 +180,41 @@ def beam_search(model, params, inputs, beam_size=4, alpha=0.6, max_extra_len=50,
     # Only candidates ranked in the top k may finish (as in Hugging Face; t2t lets all 2k):
     # then beam 1 is exactly greedy when alpha = 0.
     finishes = ends & (jnp.arange(2 * k) < k)
-    score = jnp.where(finishes, cand_logp / length_penalty(length, alpha), -jnp.inf)
+    if hf:  # HF adds nothing more to a row it has stopped (or, early_stopping=true, whose slots are full)
+      open_row = s["improvable"]
+      if early_stopping == "true":
+        open_row = open_row & ~jnp.all(jnp.isfinite(s["fin_score"]), -1)
+      finishes = finishes & open_row[:, None]
+    score = jnp.where(finishes, cand_logp / lp(length), -jnp.inf)
     fin_score, fin = jax.lax.top_k(jnp.concatenate([s["fin_score"], score], 1), k)
-    return {"i": length, "alive_logp": alive_logp, "alive_seqs": _take(seqs, keep),
-            "fin_score": fin_score, "fin_seqs": _take(jnp.concatenate([s["fin_seqs"], seqs], 1), fin),
-            "cache": _gather_beams(cache, _take(parent, keep))}
+    new = {"i": length, "alive_logp": alive_logp, "alive_seqs": _take(seqs, keep),
+           "fin_score": fin_score, "fin_seqs": _take(jnp.concatenate([s["fin_seqs"], seqs], 1), fin),
+           "cache": _gather_beams(cache, _take(parent, keep))}
+    if hf:  # transformers' _check_early_stop_heuristic: the best alive log-prob at today's length
+      best_length = row_max if early_stopping == "never" and alpha > 0 else length
+      full = jnp.all(jnp.isfinite(fin_score), -1)
+      new["improvable"] = s["improvable"] & (~full | (alive_logp[:, 0] / lp(best_length) > fin_score[:, -1]))
+    return new
 
   def cond(s):
+    if hf:
+      row_done = ~s["improvable"] | (s["i"] >= row_max)
+      if early_stopping == "true":
+        row_done = row_done | jnp.all(jnp.isfinite(s["fin_score"]), -1)
+      return (s["i"] < max_len) & ~jnp.all(row_done)
     # Log-probs only fall and the penalty is at most lp(row_max), so this bounds every
     # alive hypothesis's final score (alive_logp is sorted best first).
-    bound = s["alive_logp"][:, 0] / length_penalty(row_max, alpha)
+    bound = s["alive_logp"][:, 0] / lp(row_max)
     row_done = (s["fin_score"][:, -1] > bound) | (s["i"] >= row_max)
     return (s["i"] < max_len) & ~jnp.all(row_done)
 
-  seqs = jnp.full((batch, k, max_len + 1), PAD_ID, jnp.int32).at[:, :, 0].set(BOS_ID)
+  seqs = jnp.full((batch, k, max_len + 1), model.cfg.pad_id, jnp.int32).at[:, :, 0].set(model.cfg.bos_id)
   state = {"i": jnp.array(0), "alive_seqs": seqs, "fin_seqs": seqs,
            # Only beam 0 is real at first; the others would duplicate it.
            "alive_logp": jnp.tile(jnp.array([0.0] + [-jnp.inf] * (k - 1)), (batch, 1)),
            "fin_score": jnp.full((batch, k), -jnp.inf), "cache": init_cache(model, batch * k, max_len)}
+  if hf:
+    state["improvable"] = jnp.ones(batch, bool)
   state = jax.lax.while_loop(cond, body, state)
   return state["fin_seqs"][:, :, 1:], state["fin_score"]
 

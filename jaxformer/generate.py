@@ -28,8 +28,9 @@ def generate_text(model, params, tokenizer, cfg, prompts, max_new_tokens=200, te
 
   Past a learned-position table `log` gets one note: the context slides (nanoGPT's crop).
   """
-  ids = [tokenizer.encode(p) or [tokenizer.bos_id] for p in prompts]
-  prefix_ids = tokenizer.encode(prefix) if prefix else []
+  bos = [tokenizer.bos_id] if cfg.data.add_bos else []  # Llama's text starts with BOS: the prefix's, else each prompt's
+  prefix_ids = bos + tokenizer.encode(prefix) if prefix else []
+  ids = [([] if prefix else bos) + tokenizer.encode(p) or [tokenizer.bos_id] for p in prompts]
   fed = len(prefix_ids) + max(len(x) for x in ids) + max_new_tokens - 1   # the last token is never fed back
   window = decode.sliding_window(model, fed, cfg.decode.max_cache_len)   # before any cache is allocated
   if window:

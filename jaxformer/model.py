@@ -1,8 +1,9 @@
 """The models: `EncoderDecoder` (Vaswani et al. 2017) and `DecoderOnly` (GPT-2, Llama).
 
 Both are assembled from the blocks in `jaxformer.layers` by config. Inputs use the
-conventions of `jaxformer.data`: token id 0 is padding, segment ids mark real tokens
-(0 = pad; several segments in a row = packed sequences), positions count from 0.
+conventions of `jaxformer.data`: token id `cfg.pad_id` (0 by default) is padding, segment
+ids mark real tokens (0 = pad; several segments in a row = packed sequences), positions
+count from 0.
 """
 
 import flax.linen as nn
@@ -12,8 +13,15 @@ from jaxformer.config import ModelConfig
 from jaxformer import layers
 
 
-def _default_segments(ids, segment):
-  return (ids != 0).astype(jnp.int32) if segment is None else segment
+def _default_segments(ids, segment, pad_id=0):
+  return (ids != pad_id).astype(jnp.int32) if segment is None else segment
+
+
+def _logits_bias(module, cfg):
+  """The optional trained output bias [vocab] (Marian's final_logits_bias), or None."""
+  if not cfg.logits_bias:
+    return None
+  return module.param("logits_bias", layers._param(nn.initializers.zeros, ("vocab",)), (cfg.vocab_size,), jnp.float32)
 
 
 def _default_positions(ids, position):
@@ -100,28 +108,32 @@ class EncoderDecoder(nn.Module):
     self.decoder = Stack(cfg, cfg.num_layers, causal=True, cross=True, name="decoder")
     if not cfg.tie_output:
       self.logits = layers.dense(cfg, cfg.vocab_size, ("embed", "vocab"), use_bias=False, name="logits")
+    self.logits_bias = _logits_bias(self, cfg)
 
   def encode(self, inputs, inputs_segmentation=None, inputs_position=None, deterministic=True):
     """inputs [batch, src_len] -> encoded [batch, src_len, d_model]."""
-    segment = _default_segments(inputs, inputs_segmentation)
+    segment = _default_segments(inputs, inputs_segmentation, self.cfg.pad_id)
     position = _default_positions(inputs, inputs_position)
     return self.encoder(self.embed(inputs), segment, position, deterministic=deterministic)
 
   def decode(self, encoded, inputs_segmentation, decoder_inputs, targets_segmentation=None,
              targets_position=None, deterministic=True, decode=False):
     """Decoder pass -> logits [batch, tgt_len, vocab]. With decode=True it uses the KV cache."""
-    segment = _default_segments(decoder_inputs, targets_segmentation)
+    if targets_segmentation is None and self.cfg.bos_id == self.cfg.pad_id:
+      # The decoder starts with the pad token (Marian): like HF, no padding mask by default;
+      # with right padding a causal query never sees a pad key anyway.
+      targets_segmentation = jnp.ones_like(decoder_inputs, jnp.int32)
+    segment = _default_segments(decoder_inputs, targets_segmentation, self.cfg.pad_id)
     position = _default_positions(decoder_inputs, targets_position)
     x = self.decoder(self.decoder_embed(decoder_inputs), segment, position, encoded,
                      inputs_segmentation, deterministic, decode)
-    if self.cfg.tie_output:
-      return self.decoder_embed.attend(x)
-    return self.logits(x).astype(jnp.float32)
+    logits = self.decoder_embed.attend(x) if self.cfg.tie_output else self.logits(x).astype(jnp.float32)
+    return logits if self.logits_bias is None else logits + self.logits_bias
 
   def __call__(self, inputs, decoder_inputs, inputs_segmentation=None, targets_segmentation=None,
                inputs_position=None, targets_position=None, deterministic=True, decode=False):
     """Teacher-forced forward pass -> logits [batch, tgt_len, vocab]."""
-    inputs_segmentation = _default_segments(inputs, inputs_segmentation)
+    inputs_segmentation = _default_segments(inputs, inputs_segmentation, self.cfg.pad_id)
     encoded = self.encode(inputs, inputs_segmentation, inputs_position, deterministic)
     return self.decode(encoded, inputs_segmentation, decoder_inputs, targets_segmentation,
                        targets_position, deterministic, decode)
@@ -141,6 +153,7 @@ class DecoderOnly(nn.Module):
     self.decoder = Stack(cfg, cfg.num_layers, causal=True, name="decoder")
     if not cfg.tie_output:
       self.logits = layers.dense(cfg, cfg.vocab_size, ("embed", "vocab"), use_bias=False, name="logits")
+    self.logits_bias = _logits_bias(self, cfg)
 
   def __call__(self, inputs, segment_ids=None, positions=None, deterministic=True, decode=False,
                last_only=False):
@@ -151,9 +164,8 @@ class DecoderOnly(nn.Module):
     x = self.decoder(self.embed(inputs), segment, position, deterministic=deterministic, decode=decode)
     if last_only:  # sampling needs the next token's logits only; XLA does not push the slice into the matmul
       x = x[:, -1:]
-    if self.cfg.tie_output:
-      return self.embed.attend(x)
-    return self.logits(x).astype(jnp.float32)
+    logits = self.embed.attend(x) if self.cfg.tie_output else self.logits(x).astype(jnp.float32)
+    return logits if self.logits_bias is None else logits + self.logits_bias
 
 
 def build_model(cfg: ModelConfig):

@@ -25,7 +25,8 @@ def tokenizer_path(cfg: Config, workdir):
     return cfg.data.tokenizer_path
   if cfg.data.tokenizer == "byte":
     return "byte"
-  return os.path.join(workdir, "tokenizer.json" if cfg.data.tokenizer == "char" else "tokenizer.model")
+  json_kinds = ("char", "hf", "marian")
+  return os.path.join(workdir, "tokenizer.json" if cfg.data.tokenizer in json_kinds else "tokenizer.model")
 
 
 def local_file(key, path):
@@ -36,8 +37,11 @@ def local_file(key, path):
   return path
 
 
-def load_translation_splits(cfg: Config):
-  """{"train": (src, tgt), "dev": ..., "test": ...} as lists of str, from the configured source."""
+def load_translation_splits(cfg: Config, need_train=True):
+  """{"train": (src, tgt), "dev": ..., "test": ...} as lists of str, from the configured source.
+
+  need_train=False (evaluation, e.g. of a converted model): a local source may give only dev/test files.
+  """
   d = cfg.data
   if d.source == "synthetic":
     en, de = synthetic.numbers_corpus(d.synthetic_size, seed=0)
@@ -56,7 +60,7 @@ def load_translation_splits(cfg: Config):
       if src or tgt:
         splits[split] = data_lib.read_parallel(local_file(f"data.{split}_src", src),
                                                local_file(f"data.{split}_tgt", tgt))
-    if "train" not in splits:
+    if "train" not in splits and need_train:
       raise UserError("data.source=local needs data.train_src and data.train_tgt")
     return splits
   raise UserError(f"data.source={d.source!r}: choose local, hub or synthetic")
@@ -81,9 +85,13 @@ class TranslationTask:
     if self.tokenizer.vocab_size > cfg.model.vocab_size:
       raise UserError(f"tokenizer has {self.tokenizer.vocab_size} ids but model.vocab_size="
                       f"{cfg.model.vocab_size}")
+    tok = self.tokenizer.use_model_ids(cfg.model.pad_id, cfg.model.bos_id, cfg.model.eos_id, "the config")
     names = list(self.splits)
+    # Sources and targets alternate; a tokenizer with a target side of its own (Marian) splits targets with it.
+    own_target = type(tok).encode_target is not tokenizer_lib.Tokenizer.encode_target
     ids = data_lib.tokenize_corpus(self.tokenizer_path, [t for n in names for t in self.splits[n]],
-                                   cache_path=os.path.join(workdir, "cache"), num_proc=d.num_proc)
+                                   cache_path=os.path.join(workdir, "cache"), num_proc=d.num_proc,
+                                   targets=tuple(range(1, 2 * len(names), 2)) if own_target else ())
     self.ids = {n: (ids[2 * i], ids[2 * i + 1]) for i, n in enumerate(names)}
     # Gradient accumulation splits each step's batch into equal micro-batches inside
     # the jitted step, so bucket batch sizes must be multiples of both. The lcm (not the
@@ -92,8 +100,9 @@ class TranslationTask:
     kept, counts = data_lib.filter_pairs(*self.ids["train"], d.max_len)
     log(f"train pairs: {counts['kept']:,} kept, {counts['empty']:,} empty and "
         f"{counts['too_long']:,} longer than {d.max_len - 1} tokens dropped")
+    special = {"pad_id": tok.pad_id, "bos_id": tok.bos_id, "eos_id": tok.eos_id}
     self.train = data_lib.Batcher(*self.ids["train"], d.tokens_per_batch, d.max_len, seed=cfg.train.seed,
-                                  batch_multiple=multiple, indices=kept)
+                                  batch_multiple=multiple, indices=kept, **special)
     self.eval = {}
     for split in ("dev", "test"):
       if split in self.ids:
@@ -104,7 +113,7 @@ class TranslationTask:
         eval_max = max(d.max_len, need)
         self.eval[split] = data_lib.Batcher(src, tgt, max(d.tokens_per_batch // 2, eval_max * batch_multiple),
                                             eval_max, shuffle=False, batch_multiple=batch_multiple,
-                                            buckets=tuple(sorted(set(buckets))))
+                                            buckets=tuple(sorted(set(buckets))), **special)
     log(f"train: {self.train.steps_per_epoch:,} batches per epoch, shapes {self.train.shapes()}, "
         f"padding {100 * self.train.padding_fraction():.1f}%")
 
@@ -165,16 +174,18 @@ class LMTask:
     if self.tokenizer.vocab_size > cfg.model.vocab_size:
       raise UserError(f"the {d.tokenizer} tokenizer has {self.tokenizer.vocab_size} ids but "
                       f"model.vocab_size={cfg.model.vocab_size}; set model.vocab_size={self.tokenizer.vocab_size}")
+    self.tokenizer.use_model_ids(cfg.model.pad_id, cfg.model.bos_id, cfg.model.eos_id, "the config")
     # A single document (Tiny Shakespeare) gets no EOS, matching nanoGPT's stream.
     add_eos = len(train_docs) > 1
-    self.train_stream = data_lib.lm_token_stream(train_docs, self.tokenizer, add_eos)
-    self.val_stream = data_lib.lm_token_stream(val_docs, self.tokenizer, add_eos)
+    self.train_stream = data_lib.lm_token_stream(train_docs, self.tokenizer, add_eos, d.add_bos)
+    self.val_stream = data_lib.lm_token_stream(val_docs, self.tokenizer, add_eos, d.add_bos)
     self.val_text = "\n".join(val_docs)
     if d.batch_size % batch_multiple or d.batch_size % cfg.optim.grad_accum_steps:
       raise UserError(f"data.batch_size={d.batch_size} must be a multiple of the data-parallel size "
                       f"({batch_multiple}) and of optim.grad_accum_steps ({cfg.optim.grad_accum_steps})")
-    self.train = data_lib.LMBatcher(self.train_stream, d.block_size, d.batch_size, seed=cfg.train.seed)
-    self.val = data_lib.LMBatcher(self.val_stream, d.block_size, d.batch_size, seed=cfg.train.seed + 1)
+    eos = self.tokenizer.eos_id
+    self.train = data_lib.LMBatcher(self.train_stream, d.block_size, d.batch_size, seed=cfg.train.seed, eos_id=eos)
+    self.val = data_lib.LMBatcher(self.val_stream, d.block_size, d.batch_size, seed=cfg.train.seed + 1, eos_id=eos)
     log(f"lm: {len(self.train_stream):,} train tokens, {len(self.val_stream):,} val tokens, "
         f"vocab {self.tokenizer.vocab_size}")
 

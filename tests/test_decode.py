@@ -1,5 +1,6 @@
 """Tests for jaxformer.decode: beam search, greedy, sampling, prefix caching, all against full forward passes."""
 
+import dataclasses
 import functools
 import itertools
 
@@ -154,6 +155,30 @@ def test_beam_search_equals_exhaustive_search():
     assert len(hyps[order[0]]) > 1                 # the length penalty matters here
     np.testing.assert_array_equal(tokens[row, :10], _pad([hyps[j] for j in order], 2 + extra))
     np.testing.assert_allclose(scores[row, :10], want[order], rtol=1e-5, atol=1e-5)
+
+
+def test_suppress_pad_bans_the_pad_id_after_the_softmax():
+  # The token greedy decoding emits first becomes the pad id (Marian: pad = decoder start).
+  model, params, inputs, eos = _translate_setup("rope-gqa")
+  first = int(decode.greedy_translate(model, params, inputs, max_extra_len=4, eos_id=eos)[0, 0])
+  assert all(first not in s for s in SOURCES)
+  banned = build_model(dataclasses.replace(model.cfg, pad_id=first))
+  src = np.array([s + [first] * (5 - len(s)) for s in SOURCES], np.int32)  # padded with the new pad id
+  allowed = decode.greedy_translate(banned, params, jnp.asarray(src), max_extra_len=4, eos_id=eos)
+  assert int(allowed[0, 0]) == first                       # same model, same encoder padding: same choice
+  tokens, scores = decode.beam_search(banned, params, jnp.asarray(src), beam_size=1, alpha=0.0, max_extra_len=4,
+                                      eos_id=eos, suppress_pad=True)
+  greedy = decode.greedy_translate(banned, params, jnp.asarray(src), max_extra_len=4, eos_id=eos, suppress_pad=True)
+  np.testing.assert_array_equal(tokens[:, 0], greedy)
+  hyp = [int(t) for t in greedy[0]]
+  assert first not in hyp[:hyp.index(eos) + 1 if eos in hyp else len(hyp)]
+  # HF's order: log-probs over the whole vocabulary (pad included), then the ban; no renormalisation.
+  n = hyp.index(eos) + 1 if eos in hyp else len(SOURCES[0]) + 4
+  logits = _forward(banned)(params, jnp.asarray(src[:1]), jnp.asarray(_pad([[BOS] + hyp[:n - 1]], 9)))
+  logp = jax.nn.log_softmax(logits[0])
+  np.testing.assert_allclose(scores[0, 0], sum(logp[t, hyp[t]] for t in range(n)), atol=1e-4)
+  assert scores[0, 0] < sum(jax.nn.log_softmax(jnp.where(jnp.arange(logp.shape[-1]) == first, -jnp.inf,
+                                                           logits[0]))[t, hyp[t]] for t in range(n)) - 1e-3
 
 
 PROMPTS = [[5, 17, 3], [9, 8, 7, 6, 5, 4, 33], [11]]
