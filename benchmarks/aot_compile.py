@@ -18,6 +18,9 @@ the compile time, and `inspect.memory_plan` for the same config, mesh and batch 
 Cloud TPU names do; v5e-1 ... v5e-256 and v6e-N count chips; v4-8 ... v4-256 like v5p).
 The mesh defaults to mesh.fsdp=-1 (every chip in FSDP) unless overrides set it.
 --platform cuda tries the same for GPUs (`jax-cuda12-plugin`); see BENCHMARKS.md for what happened.
+libtpu serves one process at a time (/tmp/libtpu_lockfile): run these one after another. A
+program that cannot fit is refused by the compiler; that is printed as "does NOT fit" with
+the bytes it needed.
 """
 
 import argparse
@@ -47,7 +50,8 @@ def tpu_topology(name):
     chips = n // 2  # Cloud TPU names count TensorCores: two per chip (megacore)
     if chips not in _3D:
       raise SystemExit(f"error: --topology {name}: known sizes are {', '.join(f'{generation}-{2 * c}' for c in _3D)}")
-    return f"{generation}:{_3D[chips]}", "megachip_tccontrol" if generation == "v5p" else "megacore", (2, 2, 1), generation
+    chip_config = "megachip_tccontrol" if generation == "v5p" else "megacore"
+    return f"{generation}:{_3D[chips]}", chip_config, (2, 2, 1), generation
   if generation in ("v5e", "v6e"):
     if n not in _2D:
       raise SystemExit(f"error: --topology {name}: known sizes are {', '.join(f'{generation}-{c}' for c in _2D)}")

@@ -6,14 +6,17 @@
 For every (mesh, variant) pair it lowers and compiles the trainer's own step from abstract
 inputs (`jaxformer.aot`: nothing allocated) and prints XLA's per-device bytes (arguments +
 outputs - donated + temporaries) next to the plan's total and their ratio. The devices are
-this host's CPU split in 8 (XLA_FLAGS=--xla_force_host_platform_device_count=8, set here).
+this host's CPU split in 8 (XLA_FLAGS=--xla_force_host_platform_device_count=8, set here), or
+--devices N (e.g. 1, with --mesh data=1, for one device's figures).
 """
 
 import argparse
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+_DEVICES = sys.argv[sys.argv.index("--devices") + 1] if "--devices" in sys.argv else "8"  # before jax is imported
+_FLAG = f"--xla_force_host_platform_device_count={_DEVICES}"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import jax  # pylint: disable=g-import-not-at-top
 from jaxformer import aot, config  # pylint: disable=g-import-not-at-top
@@ -35,6 +38,7 @@ def main(argv=None):
   parser.add_argument("--rows", type=int, required=True, help="global batch (sequences)")
   parser.add_argument("--lengths", required=True, help="LEN (LM) or SRC,TGT (translation)")
   parser.add_argument("--mesh", action="append", default=None, help="e.g. data=8 or fsdp=8 (repeatable)")
+  parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (read before jax starts)")
   parser.add_argument("--variant", action="append", default=None, help="extra overrides, space-separated (repeatable)")
   args = parser.parse_args(argv)
   lengths = tuple(int(x) for x in args.lengths.split(","))

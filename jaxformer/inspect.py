@@ -361,6 +361,9 @@ def memory_report(cfg, mesh, rows, lengths):
            "logits": "float32 logits + their gradient"}
   for key, n in plan.items():
     lines.append(f"  {key:<12}{n / 2**30:10.2f} GiB  {notes.get(key, '')}")
+  if m.remat != "none" and not m.scan_layers:
+    lines.append("  (remat without model.scan_layers: XLA:CPU recomputes early and keeps nearly everything anyway; "
+                 "BENCHMARKS.md)")
   if sizes["tensor"] > 1:
     lines.append("  (tensor > 1: activations counted as if not split over `tensor`: an upper bound)")
   lines.append(f"  {'device':<10}{'GB':>5}  fits  largest batch per device")
@@ -448,7 +451,8 @@ def main(argv):
   if args.mesh:
     seq_len = args.seq_len or (cfg.data.block_size if cfg.data.task == "lm" else cfg.data.max_len)
     lengths = (seq_len,) if cfg.data.task == "lm" else (seq_len, seq_len)
-    rows = args.batch or (cfg.data.batch_size if cfg.data.task == "lm" else max(cfg.data.tokens_per_batch // seq_len, 1))
+    recipe_rows = cfg.data.batch_size if cfg.data.task == "lm" else max(cfg.data.tokens_per_batch // seq_len, 1)
+    rows = args.batch or recipe_rows
     print("\n" + memory_report(cfg, args.mesh, rows, lengths))
 
 
