@@ -360,7 +360,7 @@ def memory_report(cfg, mesh, rows, lengths):
            "optimizer": "Adam: 2 moments x params", "activations": "kept for the backward pass, all layers",
            "logits": "float32 logits + their gradient"}
   for key, n in plan.items():
-    lines.append(f"  {key:<12}{n / 2**30:10.2f} GiB  {notes.get(key, '')}")
+    lines.append(f"  {key:<12}{n / 2**30:10.2f} GiB  {notes.get(key, '')}".rstrip())
   if m.remat != "none" and not m.scan_layers:
     lines.append("  (remat without model.scan_layers: XLA:CPU recomputes early and keeps nearly everything anyway; "
                  "BENCHMARKS.md)")
