@@ -65,6 +65,9 @@ class ModelConfig:
   dtype: str = "float32"            # compute dtype; parameters stay float32
   matmul_dtype: str = "float32"     # bfloat16: products on bf16 operands, f32 accumulation (CPU/TPU path)
   attention_impl: str = "auto"      # auto | xla | cudnn | einsum
+  scan_layers: bool = False         # the blocks of each stack under nn.scan, params stacked on a `layers` axis
+  remat: str = "none"               # none | full | dots_saveable | dots_with_no_batch_dims_saveable (per block)
+  logits_chunk: int = 0             # > 0: output projection + loss over this many tokens at a time; 0: automatic
 
   @property
   def kv_heads(self) -> int:
@@ -297,7 +300,8 @@ def _validate(cfg):
              "matmul_dtype": ("float32", "bfloat16"),
              "attention_impl": ("auto", "xla", "cudnn", "einsum"),
              "sinusoidal_layout": ("interleaved", "concat", "marian"),
-             "kernel_init": ("xavier_uniform", "normal")}
+             "kernel_init": ("xavier_uniform", "normal"),
+             "remat": ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")}
   for field, allowed in choices.items():
     if getattr(m, field) not in allowed:
       raise UserError(f"model.{field}={getattr(m, field)!r}: choose one of {', '.join(allowed)}")
@@ -308,6 +312,8 @@ def _validate(cfg):
     raise UserError(f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.kv_heads}")
   if m.head_dim is None and m.d_model % m.num_heads:
     raise UserError(f"model.d_model={m.d_model} must be divisible by model.num_heads={m.num_heads} (or set model.head_dim)")
+  if m.logits_chunk < 0:
+    raise UserError(f"model.logits_chunk={m.logits_chunk} must be >= 0 (0: automatic, see README)")
   if cfg.data.task not in ("translation", "lm"):
     raise UserError(f"data.task={cfg.data.task!r}: choose translation or lm")
   if (cfg.data.task == "lm") != (m.arch == "decoder_only"):

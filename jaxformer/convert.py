@@ -666,7 +666,8 @@ def to_hf(workdir, out, step=None, dtype="float32", max_shard_mb=2048, log=print
   Each parameter is dropped once its HF tensor is made, so the peak is about one copy of the
   model plus one shard (`max_shard_mb`).
   """
-  cfg, _, params, _, meta = evaluate.load_run(workdir, step=step, log=lambda *_: None)
+  # HF's layout is per layer: a model.scan_layers checkpoint is unstacked on the way in.
+  cfg, _, params, _, meta = evaluate.load_run(workdir, step=step, log=lambda *_: None, scan_layers=False)
   base_path = os.path.join(workdir, "hf_config.json")
   base = _read_json(base_path, "") if os.path.isfile(base_path) else None
   kind = infer_model_type(cfg, meta.get("hf_model_type") or (base or {}).get("model_type"))

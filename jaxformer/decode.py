@@ -40,13 +40,30 @@ def _cache_shapes(model, batch, max_len):
   return jax.eval_shape(init)["cache"]
 
 
+def _is_scanned(path):
+  """Whether a cache entry belongs to a `model.scan_layers` stack (stacked on a leading layer axis)."""
+  return any(getattr(k, "key", None) == "layers" for k in path)
+
+
+def _cache_entries(cache, name):
+  return [(path, x) for path, x in jax.tree_util.tree_leaves_with_path(cache) if path[-1].key == name]
+
+
 def _cache_index(cache):
-  """The slots already written (every layer's scalar `cache_index` is the same)."""
-  return next(x for x in jax.tree.leaves(cache) if x.ndim == 0)
+  """The slots already written (every layer's `cache_index` holds the same count)."""
+  return jnp.ravel(_cache_entries(cache, "cache_index")[0][1])[0]
 
 
 def _cache_size(cache):
-  return next(x for x in jax.tree.leaves(cache) if x.ndim >= 2).shape[1]
+  path, key = _cache_entries(cache, "cached_key")[0]  # [(layers,) batch, slots, kv_heads, head_dim]
+  return key.shape[2 if _is_scanned(path) else 1]
+
+
+def _map_rows(fn, cache):
+  """fn(x, axis) on each per-row cache array, `axis` its batch axis (1 when stacked over layers);
+  the `cache_index` counters, shared by all rows, stay as they are."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: x if path[-1].key == "cache_index" else fn(x, 1 if _is_scanned(path) else 0), cache)
 
 
 def length_penalty(length, alpha, kind="gnmt"):
@@ -114,14 +131,11 @@ def greedy_translate(model, params, inputs, max_extra_len=50, eos_id=None, suppr
   return jax.lax.while_loop(cond, body, state)[1][:, 1:]
 
 
-def _gather_beams(tree, parent):
-  """Row (b, k) of flattened [batch * beam, ...] arrays takes row (b, parent[b, k]).
-
-  Scalars (`cache_index`) are shared by all rows and stay as they are.
-  """
+def _gather_beams(cache, parent):
+  """Row (b, k) of the cache's flattened [batch * beam, ...] rows takes row (b, parent[b, k])."""
   batch, beam = parent.shape
   rows = (jnp.arange(batch)[:, None] * beam + parent).reshape(-1)
-  return jax.tree.map(lambda x: x if x.ndim == 0 else x[rows], tree)
+  return _map_rows(lambda x, axis: jnp.take(x, rows, axis=axis), cache)
 
 
 def _take(x, index):
@@ -345,7 +359,7 @@ def prefill(model, params, prompts, lengths=None, cache=None, max_len=None):
 def prefill_prefix(model, params, prefix_ids, batch, max_len):
   """Runs a prompt prefix shared by all rows once (batch 1) -> its cache of `max_len` slots for `batch` rows."""
   _, cache = prefill(model, params, [list(prefix_ids)], max_len=max_len)
-  return jax.tree.map(lambda x: x if x.ndim == 0 else jnp.repeat(x, batch, 0), cache)
+  return _map_rows(lambda x, axis: jnp.repeat(x, batch, axis), cache)
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "top_k", "greedy", "nucleus", "window"))

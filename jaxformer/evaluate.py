@@ -84,14 +84,23 @@ def abstract_params(cfg):
   return model, nn.unbox(shapes)
 
 
+def stored_scan_layers(ckpt, step=None):
+  """Whether checkpoint `step` (default: latest) of a `checkpoint.Checkpointer` holds its layers
+  stacked (`model.scan_layers`) rather than unrolled (`layer_0`, ...)."""
+  return any(p.startswith("params/") and "/layers/" in p for p in ckpt.stored_paths(step))
+
+
 # What evaluation may change in a run's saved config: how to decode, and which files to read.
 EVAL_OVERRIDE_SECTIONS = ("decode", "data")
 
 
-def load_run(workdir, average_last=0, step=None, log=print, overrides=()):
+def load_run(workdir, average_last=0, step=None, log=print, overrides=(), scan_layers=None):
   """(cfg, model, params, tokenizer, meta) of a training workdir; averages the last K checkpoints if asked.
 
   `overrides` (`decode.*` and `data.*` only) apply on top of the run's saved config.
+  The checkpoint may hold its layers unrolled or stacked (`model.scan_layers`): its own
+  layout is read from the stored tree, and the params come back in the layout of the run's
+  config, or of `scan_layers` when given (the returned cfg and model then follow it).
   """
   path = os.path.join(workdir, "config.json")
   if not os.path.exists(path):
@@ -104,12 +113,15 @@ def load_run(workdir, average_last=0, step=None, log=print, overrides=()):
                       f"(the model comes from {path})")
     cfg = config_lib.apply_override(cfg, override)
   config_lib._validate(cfg)  # an override like decode.length_penalty=typo is an error, not a silent default
-  model, shapes = abstract_params(cfg)
+  if scan_layers is not None:
+    cfg = config_lib.replace(cfg, **{"model.scan_layers": bool(scan_layers)})
   ckpt = checkpoint_lib.Checkpointer(workdir, max_to_keep=None, async_save=False)
   try:
+    steps = (ckpt.all_steps()[-average_last:] or [None]) if average_last > 1 else [step]
+    stored_scan = stored_scan_layers(ckpt, steps[-1])
+    _, shapes = abstract_params(config_lib.replace(cfg, **{"model.scan_layers": stored_scan}))
     if average_last > 1:
       params = checkpoint_lib.average_checkpoints(workdir, average_last, {"params": shapes})
-      steps = ckpt.all_steps()[-average_last:]
       _, meta = ckpt.restore_params(shapes, step=steps[-1])
       log(f"averaged the last {average_last} checkpoints: steps {steps}")
     else:
@@ -117,6 +129,10 @@ def load_run(workdir, average_last=0, step=None, log=print, overrides=()):
       log(f"restored step {meta.get('step')} from {ckpt.directory}")
   finally:
     ckpt.close()
+  if stored_scan != cfg.model.scan_layers:
+    params = model_lib.convert_layers(params, cfg.model.scan_layers)
+    log(f"converted the checkpoint's layers from the {'scanned' if stored_scan else 'unrolled'} layout")
+  model = model_lib.build_model(cfg.model)
   tok_path = tasks.tokenizer_path(cfg, workdir)
   if tok_path != "byte" and not os.path.exists(tok_path):
     raise UserError(f"tokenizer {tok_path} is missing: eval needs the tokenizer the model was trained with")

@@ -149,9 +149,21 @@ class Embed(nn.Module):
 
   def attend(self, x):
     """x [batch, length, d_model] -> logits [batch, length, vocab] (float32)."""
-    logits = einsum("nd,vd->nv", x.reshape(-1, x.shape[-1]), self.embedding.astype(x.dtype),
-                    self.cfg.matmul_dtype)  # 2-D, as in TokenDense
-    return logits.reshape(*x.shape[:-1], -1).astype(jnp.float32)
+    logits = project_logits(x.reshape(-1, x.shape[-1]), self.embedding, "nd,vd->nv", self.cfg)  # 2-D, as in TokenDense
+    return logits.reshape(*x.shape[:-1], -1)
+
+
+def project_logits(x, weight, spec, cfg: ModelConfig, bias=None):
+  """x [tokens, d_model] -> logits [tokens, vocab] (float32) through the output layer's weight.
+
+  weight: the tied embedding table [vocab, d_model] (spec "nd,vd->nv") or the untied
+  kernel [d_model, vocab] ("nd,dv->nv"); the product in cfg.dtype on cfg.matmul_dtype
+  operands, as `Embed.attend` and the `logits` layer compute it; plus `bias` [vocab]
+  (model.logits_bias) when given.
+  """
+  dtype = jnp.dtype(cfg.dtype)
+  logits = einsum(spec, x.astype(dtype), weight.astype(dtype), cfg.matmul_dtype).astype(jnp.float32)
+  return logits if bias is None else logits + bias
 
 
 def sinusoidal(positions, d_model, layout="interleaved", max_timescale=10000.0):

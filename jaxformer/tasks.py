@@ -5,13 +5,16 @@ its loss. Batches are pure functions of the step (`train_batch(step)`), which ma
 resuming exact without any iterator state.
 """
 
+import math
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxformer import data as data_lib
 from jaxformer import hub
+from jaxformer import layers
 from jaxformer import losses
 from jaxformer import synthetic
 from jaxformer import tokenizer as tokenizer_lib
@@ -135,12 +138,10 @@ class TranslationTask:
   @staticmethod
   def loss(model, params, batch, rngs, deterministic, label_smoothing):
     """(smoothed loss sum, NLL sum, target token count) of a teacher-forced batch."""
-    logits = model.apply({"params": params}, batch["inputs"], batch["decoder_inputs"],
-                         batch["inputs_segmentation"], batch["targets_segmentation"],
-                         batch["inputs_position"], batch["targets_position"],
-                         deterministic=deterministic, rngs=rngs)
+    args = (batch["inputs"], batch["decoder_inputs"], batch["inputs_segmentation"], batch["targets_segmentation"],
+            batch["inputs_position"], batch["targets_position"])
     weights = batch["targets_segmentation"].astype(jnp.float32)
-    return losses.cross_entropy(logits, batch["targets"], weights, label_smoothing)
+    return model_loss(model, params, args, rngs, deterministic, batch["targets"], weights, label_smoothing)
 
   @staticmethod
   def init_inputs(batch):
@@ -207,14 +208,33 @@ class LMTask:
 
   @staticmethod
   def loss(model, params, batch, rngs, deterministic, label_smoothing):
-    logits = model.apply({"params": params}, batch["inputs"], batch.get("segment_ids"),
-                         batch.get("positions"), deterministic=deterministic, rngs=rngs)
+    args = (batch["inputs"], batch.get("segment_ids"), batch.get("positions"))
     weights = jnp.ones(batch["targets"].shape, jnp.float32)
-    return losses.cross_entropy(logits, batch["targets"], weights, label_smoothing)
+    return model_loss(model, params, args, rngs, deterministic, batch["targets"], weights, label_smoothing)
 
   @staticmethod
   def init_inputs(batch):
     return (batch["inputs"],)
+
+
+def model_loss(model, params, args, rngs, deterministic, targets, weights, label_smoothing):
+  """`losses.cross_entropy` of `model.apply(params, *args)` against targets, weights [batch, length].
+
+  With model.logits_chunk set (or automatic, see `losses.logits_chunk`) the model stops
+  at its final hidden states and `losses.chunked_cross_entropy` projects them a chunk at
+  a time, so the whole logits never exist.
+  """
+  variables = {"params": params}
+  mesh = jax.sharding.get_abstract_mesh()  # the batch is split over data x fsdp while a step is traced
+  shards = math.prod(mesh.shape.get(axis, 1) for axis in ("data", "fsdp")) if mesh.shape else 1
+  chunk = losses.logits_chunk(model.cfg.logits_chunk, targets.size, model.cfg.vocab_size, shards)
+  if not chunk:
+    logits = model.apply(variables, *args, deterministic=deterministic, rngs=rngs)
+    return losses.cross_entropy(logits, targets, weights, label_smoothing)
+  hidden = model.apply(variables, *args, deterministic=deterministic, rngs=rngs, project=False)
+  weights_and_bias, spec = model.apply(variables, method="output_weight")
+  project = lambda h, wb: layers.project_logits(h, wb[0], spec, model.cfg, bias=wb[1])
+  return losses.chunked_cross_entropy(hidden, weights_and_bias, targets, weights, label_smoothing, chunk, project)
 
 
 def make_task(cfg: Config, workdir, batch_multiple=1, log=print):

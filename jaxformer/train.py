@@ -341,7 +341,13 @@ def init_from_checkpoint(cfg, tx, abstract, state_sharding, tokenizer_path, log=
     raise UserError(f"train.init_from={source} has no checkpoints/: give a training workdir or one written by "
                     "python -m jaxformer.convert")
   with checkpoint_lib.Checkpointer(source, max_to_keep=None, async_save=False) as src:
-    params, meta = src.restore_params(abstract["params"])
+    if evaluate_lib.stored_scan_layers(src) == cfg.model.scan_layers:
+      params, meta = src.restore_params(abstract["params"])
+    else:  # e.g. a converted Hugging Face model (unrolled) fine-tuned with model.scan_layers=true
+      layout = config_lib.replace(cfg, **{"model.scan_layers": not cfg.model.scan_layers})
+      params, meta = src.restore_params(evaluate_lib.abstract_params(layout)[1])
+      params = model_lib.convert_layers(params, cfg.model.scan_layers)
+      log(f"converted {source}'s layers to the {'scanned' if cfg.model.scan_layers else 'unrolled'} layout")
     where = f"{src.directory}/{meta.get('step')}"
   if meta.get("tokenizer_sha256") not in (None, evaluate_lib.file_sha256(tokenizer_path)):
     raise UserError(f"tokenizer {tokenizer_path} is not the one {where} was trained with (its hash differs): "

@@ -300,3 +300,24 @@ def test_converted_workdirs_generate_translate_and_fine_tune(converted, tmp_path
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                result["state"]["params"], params)
   assert np.isfinite(result["loss"])
+
+
+def test_fine_tuning_with_scanned_layers_and_exporting_it(converted, tmp_path):
+  """A converted (per-layer) checkpoint fine-tunes with model.scan_layers=true (train.init_from stacks
+  its layers) and the scanned run exports back to HF's per-layer tensors unchanged (learning rate 0)."""
+  workdir, cfg, _, params, _ = converted("llama")
+  text = tmp_path / "text.txt"
+  text.write_text(" ".join(["A man in an orange hat starring at something."] * 40) + "\n")
+  fine = str(tmp_path / "fine")
+  ft_cfg = config_lib.load_config(os.path.join(workdir, "config.json"), [
+      f"train.init_from={workdir}", f"data.text_path={text}", "data.block_size=16", "data.batch_size=2",
+      "train.num_steps=1", "train.log_every=1", "train.eval_every=1", "train.checkpoint_every=1",
+      "train.eval_batches=1", "train.sample_every_eval=false", "optim.learning_rate=0.0", "model.scan_layers=true"])
+  result = train.train_and_evaluate(ft_cfg, fine, **QUIET)
+  assert "layers" in result["state"]["params"]["decoder"] and np.isfinite(result["loss"])
+  out = tmp_path / "hf"
+  convert.to_hf(fine, str(out), **QUIET)
+  original, exported = hf_tensors(FIXTURES / "llama"), hf_tensors(out)
+  assert sorted(exported) == sorted(original)
+  for key, value in original.items():
+    np.testing.assert_array_equal(exported[key].astype(np.float32), value.astype(np.float32), err_msg=key)
