@@ -88,10 +88,12 @@ def load_run(workdir, average_last=0, step=None, log=print):
   with open(path) as f:
     cfg = config_lib.from_dict(json.load(f))
   model, shapes = abstract_params(cfg)
-  ckpt = checkpoint_lib.Checkpointer(workdir, max_to_keep=None, async_save=False)
+  # Read-only (no lease, no cleanup): works while training writes the workdir. Every checkpoint
+  # read is verified against its checksums; a damaged one is a one-line error.
+  ckpt = checkpoint_lib.Checkpointer(workdir, max_to_keep=None, async_save=False, log=log)
   try:
     if average_last > 1:
-      params = checkpoint_lib.average_checkpoints(workdir, average_last, {"params": shapes})
+      params = checkpoint_lib.average_checkpoints(workdir, average_last, {"params": shapes}, log=log)
       steps = ckpt.all_steps()[-average_last:]
       _, meta = ckpt.restore_params(shapes, step=steps[-1])
       log(f"averaged the last {average_last} checkpoints: steps {steps}")
