@@ -4,12 +4,12 @@
 
 The state is the config's own train state (params + optimizer moments, as `train.py` builds it),
 filled with random numbers (zeros would compress to nothing). `on` is `Checkpointer` as it is:
-`save` computes the checksums of every array on the device before the asynchronous write and
+`save` computes the checksums of every array (where it lives) before the asynchronous write and
 `restore` recomputes and compares them. `off` replaces `checksum.fingerprint` with a no-op, which
 is exactly the save and restore of before (a checkpoint restored without checksums). The two run
 interleaved (on, off, on, off, ...) and the figures are medians over rounds. Timed:
 
-- checksum: `checksum.fingerprint(state)` alone (one jitted pass over every array + a tiny copy);
+- checksum: `checksum.fingerprint(state)` alone (one read of every array);
 - save, blocking: `Checkpointer.save` returning (device->host copy + checksums): what the
   training loop waits for;
 - save, total: until the write is on disk (`wait`);

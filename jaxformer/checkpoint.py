@@ -9,7 +9,7 @@ renames it to `<step>` only once complete (on GCS it writes
 unfinished step, so a save killed midway is never restored.
 
 Integrity: `meta` also records a checksum of every array of the state
-(`jaxformer.checksum`, computed on device before the asynchronous write), and
+(`jaxformer.checksum`, computed before the asynchronous write), and
 every restore recomputes them on what it read: a checkpoint that cannot be read
 or does not match is `DamagedCheckpoint`, never loaded numbers. Checkpoints
 written before checksums existed restore unverified, with a note. A state with
@@ -126,10 +126,11 @@ def _is_orbax_read_noise(unraisable):
 def _is_orbax_asyncio_noise(record):
   """The writes abandoned when one of them fails (a full disk): asyncio logs each one's error, with
   a traceback, when its task or future is collected."""
-  if not record.getMessage().startswith(("Task exception was never retrieved", "Future exception was never retrieved")):
+  if "exception was never retrieved" not in record.getMessage():  # Task, Future, _GatheringFuture
     return False
   frames = traceback.extract_tb(record.exc_info[2]) if record.exc_info and record.exc_info[2] else []
-  return any(f"{os.sep}orbax{os.sep}" in text for text in [record.getMessage(), *(f.filename for f in frames)])
+  # orbax in a frame, or in the message (tensorstore's errors name the `.orbax-checkpoint-tmp` path)
+  return any("orbax" in text for text in [record.getMessage(), *(f.filename for f in frames)])
 
 
 def _quiet_orbax_noise():

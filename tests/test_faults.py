@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -76,6 +77,17 @@ def all_files(workdir):
   return out
 
 
+def wait_stopped(pid, timeout=30):
+  """Until `pid` is stopped (a signal is delivered asynchronously): from then on it writes nothing."""
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    with open(f"/proc/{pid}/stat") as f:
+      if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+        return
+    time.sleep(0.01)
+  raise TimeoutError(f"pid {pid} did not stop")
+
+
 def main_error(capfd, argv):
   """`train.py argv` in process, expected to fail: its stderr (everything written to fd 2)."""
   capfd.readouterr()
@@ -100,6 +112,7 @@ def test_second_run_on_a_busy_workdir_stops_at_once(run12, tmp_path, capfd):
       if m and int(m.group(1)) >= 3 and 2 in steps_on_disk(workdir):
         break
     a.send_signal(signal.SIGSTOP)
+    wait_stopped(a.pid)
     holder = json.loads((workdir / "lease.json").read_text())
     assert (holder["pid"], holder["host"]) == (a.pid, socket.gethostname()), holder
     before = all_files(workdir)
