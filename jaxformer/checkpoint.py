@@ -7,29 +7,153 @@ Unfinished saves: on local disks orbax writes `<step>.orbax-checkpoint-tmp` and
 renames it to `<step>` only once complete (on GCS it writes
 `commit_success.txt` last instead), and its step listing skips both kinds of
 unfinished step, so a save killed midway is never restored.
+
+Integrity: `meta` also records a checksum of every array of the state
+(`jaxformer.checksum`, computed before the asynchronous write), and
+every restore recomputes them on what it read: a checkpoint that cannot be read
+or does not match is `DamagedCheckpoint`, never loaded numbers. Checkpoints
+written before checksums existed restore unverified, with a note. A state with
+NaN or inf is not saved (`NonFiniteState`). A failed write (a full disk), also
+one surfacing from orbax's background thread, is `CheckpointWriteError`, one
+line naming the last complete step; earlier checkpoints are left as they were.
+`restore_newest_intact` (the training job's resume) renames damaged newer
+checkpoints `<step>.corrupt`, out of orbax's listing, and restores the one before.
 """
 
+import errno
+import logging
 import os
+import shutil
+import sys
+import traceback
 
 from etils import epath
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
+from jaxformer import checksum
 from jaxformer.errors import UserError
 
 
-def _path_str(path):
-  """`(DictKey('params'), GetAttrKey('mu'), SequenceKey(0))` -> 'params/mu/0'."""
-  parts = []
-  for k in path:
-    for attr in ("key", "name", "idx"):
-      if hasattr(k, attr):
-        parts.append(str(getattr(k, attr)))
-        break
-    else:
-      parts.append(str(k))
-  return "/".join(parts)
+class DamagedCheckpoint(UserError):
+  """A checkpoint that cannot be read or whose arrays do not match their checksums."""
+
+  def __init__(self, directory, step, reason):
+    super().__init__(f"checkpoint {directory}/{step} is damaged: {reason}")
+    self.step, self.reason = step, reason
+
+
+class NonFiniteCheckpoint(UserError):
+  """An intact checkpoint whose state holds NaN or inf (saved before saves refused them)."""
+
+  def __init__(self, directory, step, paths):
+    super().__init__(f"checkpoint {directory}/{step} holds NaN or inf ({_some(paths)})")
+    self.step = step
+
+
+class NonFiniteState(UserError):
+  """A state with NaN or inf that `save` refused to write."""
+
+
+class CheckpointWriteError(UserError):
+  """A save that failed (full disk, I/O error); the earlier checkpoints are untouched."""
+
+
+def _some(paths, n=2):
+  """'a, b and 3 more'."""
+  more = f" and {len(paths) - n} more" if len(paths) > n else ""
+  return ", ".join(paths[:n]) + more
+
+
+def _one_line(error, limit=160):
+  """`ValueError: first line of the message` (cut to `limit` characters)."""
+  text = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+  return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def is_no_space(error):
+  """Whether `error` (or what caused it) is a full disk or quota: OSError ENOSPC/EDQUOT, or
+  tensorstore's `... No space left on device [os_error_code='28']`."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+      return True
+    text = str(error)
+    if "No space left on device" in text or "Disk quota exceeded" in text or f"os_error_code='{errno.ENOSPC}'" in text:
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+def filesystem_of(path):
+  """'/dev/sdb1 (mounted on /data)' for the filesystem holding `path`; its mount point if unknown."""
+  path = os.path.realpath(path)
+  while not os.path.exists(path):
+    path = os.path.dirname(path)
+  mount = path
+  while not os.path.ismount(mount):
+    mount = os.path.dirname(mount)
+  try:
+    with open("/proc/mounts") as f:
+      devices = [line.split()[0] for line in f if len(line.split()) > 1 and line.split()[1] == mount]
+  except OSError:
+    devices = []
+  return f"{devices[-1]} (mounted on {mount})" if devices else mount
+
+
+class _QuietOrbaxTracebacks(logging.Filter):
+  """Drops orbax's logged tracebacks of a failed background save: `Checkpointer` re-raises the
+  same error as one line (`--debug` shows its traceback)."""
+
+  def filter(self, record):
+    return not (record.levelno >= logging.ERROR and record.exc_info and "orbax" in record.pathname)
+
+
+def _is_orbax_read_noise(unraisable):
+  """When one array of a damaged checkpoint fails to read, orbax closes its event loop under the
+  other reads: tensorstore's callbacks then hit `Event loop is closed` and the abandoned read
+  coroutines raise as they are collected, each printed as an unraisable traceback. The one
+  `DamagedCheckpoint` says it all."""
+  code = getattr(unraisable.object, "cr_code", None)
+  return ((isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed")
+          or (code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename))
+
+
+def _is_orbax_asyncio_noise(record):
+  """The writes abandoned when one of them fails (a full disk): asyncio logs each one's error, with
+  a traceback, when its task or future is collected."""
+  if "exception was never retrieved" not in record.getMessage():  # Task, Future, _GatheringFuture
+    return False
+  frames = traceback.extract_tb(record.exc_info[2]) if record.exc_info and record.exc_info[2] else []
+  # orbax in a frame, or in the message (tensorstore's errors name the `.orbax-checkpoint-tmp` path)
+  return any("orbax" in text for text in [record.getMessage(), *(f.filename for f in frames)])
+
+
+def _quiet_orbax_noise():
+  """Installs the filters above once per process (not with JAXFORMER_DEBUG=1)."""
+  if os.environ.get("JAXFORMER_DEBUG") == "1" or getattr(sys.unraisablehook, "jaxformer", False):
+    return
+  logging.getLogger("absl").addFilter(_QuietOrbaxTracebacks())
+  logging.getLogger("asyncio").addFilter(lambda record: not _is_orbax_asyncio_noise(record))
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    if not _is_orbax_read_noise(unraisable):
+      previous(unraisable)
+
+  hook.jaxformer = True
+  sys.unraisablehook = hook
+
+
+def _all_processes(ok):
+  """`ok` on every process (a multi-host job decides together whether a checkpoint is intact)."""
+  if jax.process_count() == 1:
+    return ok
+  return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
 
 
 def _stored_shape(leaf):
@@ -67,16 +191,21 @@ def _params_of(tree):
 
 
 class Checkpointer:
-  """Saves and restores (train state, JSON meta) pairs under a workdir."""
+  """Saves and restores (train state, JSON meta) pairs under a workdir, with checksums."""
 
-  def __init__(self, workdir, max_to_keep=5, async_save=True, cleanup_tmp=False):
+  def __init__(self, workdir, max_to_keep=5, async_save=True, cleanup_tmp=False, log=None):
     """Opens `<workdir>/checkpoints`; `max_to_keep=None` keeps everything.
 
     `cleanup_tmp` deletes unfinished saves left by a killed job: only for the job
     that writes (eval would delete the save a running training job has in flight).
+    `log` receives notes (a checkpoint restored without checksums to verify).
     """
     self.workdir = os.fspath(workdir)
     self.directory = os.path.join(os.path.abspath(self.workdir), "checkpoints")
+    self._log = log or (lambda *args: None)
+    self._writing = None  # the step whose asynchronous save may still be running
+    self._failed = False
+    _quiet_orbax_noise()
     options = ocp.CheckpointManagerOptions(
         # `max_to_keep` is deprecated in this orbax in favour of policies.
         preservation_policy=ocp.checkpoint_managers.LatestN(max_to_keep),
@@ -91,20 +220,58 @@ class Checkpointer:
   def __exit__(self, *exc):
     self.close()
 
-  def save(self, step, state, meta, force=False):
-    """Saves `state` and the JSON-able `meta` dict; returns whether it saved.
+  def save(self, step, state, meta, force=False, allow_nonfinite=False):
+    """Saves `state` and the JSON-able `meta` dict with the state's checksums; returns whether it saved.
 
     Asynchronous by default: device arrays are copied to host before this
     returns, so the caller may donate or overwrite them. Steps at or below the
     latest one are skipped unless `force`; an existing step is never rewritten.
+    A state holding NaN or inf raises `NonFiniteState` unless `allow_nonfinite`;
+    a failed write (now, or of the previous asynchronous save) `CheckpointWriteError`.
     """
     step = int(step)
+    self._guard(self._writing, self._mgr.wait_until_finished)  # the previous save's error, if any
+    self._writing = None
     if step in self._mgr.all_steps():
       return False
+    sums, nonfinite = checksum.fingerprint(state)
+    if nonfinite and not allow_nonfinite:
+      raise NonFiniteState(f"the train state at step {step} holds NaN or inf ({_some(nonfinite)}), so it was not "
+                           f"saved; {self.last_complete_phrase()}")
+    meta = {**(meta or {}), "checksums": {"algorithm": checksum.ALGORITHM, "arrays": sums}}
     args = ocp.args.Composite(
         state=ocp.args.StandardSave(state),
-        meta=ocp.args.JsonSave(dict(meta or {})))
-    return self._mgr.save(step, args=args, force=force)
+        meta=ocp.args.JsonSave(meta))
+    saved = self._guard(step, lambda: self._mgr.save(step, args=args, force=force))
+    self._writing = step if saved else None
+    return saved
+
+  def _guard(self, step, write):
+    """Runs `write()`; turns its failure into `CheckpointWriteError` naming `step` and the last complete one."""
+    try:
+      return write()
+    except (UserError, KeyboardInterrupt, MemoryError):
+      raise
+    except Exception as e:  # pylint: disable=broad-exception-caught  (whatever orbax or tensorstore raise)
+      self._failed = True
+      self._writing = None
+      self._remove_partial(step)
+      what = f"no space left on {filesystem_of(self.directory)}" if is_no_space(e) else (
+          f"cannot write {self.directory} ({_one_line(e)})")
+      raise CheckpointWriteError(f"{what} while saving step {step}; {self.last_complete_phrase()}") from e
+
+  def _remove_partial(self, step):
+    """Deletes the unfinished save of `step` (process 0), which frees the space it took."""
+    if step is None or jax.process_index() != 0 or not os.path.isdir(self.directory):
+      return
+    for name in os.listdir(self.directory):
+      if name.startswith(f"{step}.orbax-checkpoint-tmp"):
+        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+
+  def last_complete_phrase(self):
+    """'the last complete checkpoint is step M', read from the disk now (for error messages)."""
+    steps = ocp.path.step.checkpoint_steps(self.directory) if os.path.isdir(self.directory) else []
+    return f"the last complete checkpoint is step {max(steps)}" if steps else "no checkpoint was completed before it"
 
   def latest_step(self):
     """The newest complete (or in-flight, from this process) step, or None."""
@@ -116,7 +283,7 @@ class Checkpointer:
 
   def _resolve_step(self, step):
     """Waits for pending saves, rescans the disk and validates `step`."""
-    self._mgr.wait_until_finished()
+    self.wait()
     self._mgr.reload()  # Pick up steps written by another job (eval).
     steps = self.all_steps()
     if not steps:
@@ -137,14 +304,14 @@ class Checkpointer:
     `prefix` restricts the check to one subtree ('params' for params-only
     restores); extra checkpoint entries outside it are fine then.
     """
-    stored = ocp.StandardCheckpointHandler().metadata(
-        epath.Path(self.directory) / str(step) / "state")
+    stored = self._read(step, lambda: ocp.StandardCheckpointHandler().metadata(
+        epath.Path(self.directory) / str(step) / "state"), what="its metadata")
     have = {
-        _path_str(p): tuple(getattr(m, "shape", ()))
+        checksum.path_str(p): tuple(getattr(m, "shape", ()))
         for p, m in jax.tree_util.tree_leaves_with_path(stored.tree)
     }
     want = {
-        _path_str(p): _stored_shape(x)
+        checksum.path_str(p): _stored_shape(x)
         for p, x in jax.tree_util.tree_leaves_with_path(abstract)
     }
     hint = "was it trained with another config?"
@@ -165,44 +332,167 @@ class Checkpointer:
             f"checkpoint has {path} {list(shape)} which the config does not "
             f"build: {hint}")
 
-  def restore(self, abstract_state, step=None):
-    """Restores `(state, meta)` from `step` (default: latest complete one).
+  def _verify(self, step, tree, meta):
+    """Checks `tree` (restored from `step`) against the checksums in `meta`; pops them from `meta`.
+
+    Returns the paths of arrays holding NaN or inf; raises `DamagedCheckpoint` on a mismatch.
+    """
+    record = meta.pop("checksums", None)
+    sums, nonfinite = checksum.fingerprint(tree)
+    if "step" in meta and meta["step"] != step:
+      raise DamagedCheckpoint(self.directory, step, f"its metadata names step {meta['step']}")
+    if not isinstance(record, dict) or record.get("algorithm") != checksum.ALGORITHM:
+      why = ("was written before checkpoints carried checksums" if record is None else
+             f"carries checksums of an unknown kind ({str(record)[:40]})")
+      self._log(f"note: checkpoint {self.directory}/{step} {why}: restored without verifying them")
+      return nonfinite
+    recorded = record.get("arrays", {})
+    for path, value in sums.items():
+      if recorded.get(path) != value:
+        raise DamagedCheckpoint(self.directory, step, f"{path} does not match its checksum" if path in recorded
+                                else f"no checksum recorded for {path}")
+    return nonfinite
+
+  def _read(self, step, read, what="it"):
+    """`read()`, with any failure to read `step` (on any process) as `DamagedCheckpoint`.
+
+    The processes of a multi-host job agree before going on: the checksums that follow are
+    computed by all of them together.
+    """
+    result, error = None, None
+    try:
+      result = read()
+    except (UserError, KeyboardInterrupt, MemoryError):
+      raise
+    except Exception as e:  # pylint: disable=broad-exception-caught  (whatever orbax or tensorstore raise)
+      error = DamagedCheckpoint(self.directory, step, f"cannot read {what} ({_one_line(e)})")
+      error.__cause__ = e
+    if not _all_processes(error is None):
+      raise error or DamagedCheckpoint(self.directory, step, "another process could not read it")
+    return result
+
+  def restore(self, abstract_state, step=None, require_finite=False):
+    """Restores `(state, meta)` from `step` (default: latest complete one), verified.
 
     `abstract_state` is a pytree of `jax.ShapeDtypeStruct` (`jax.eval_shape`
     of the state init); arrays are restored with the shardings it carries, so
-    a sharded train state restores straight onto the mesh.
+    a sharded train state restores straight onto the mesh. Raises
+    `DamagedCheckpoint` if it cannot be read or fails its checksums, and with
+    `require_finite`, `NonFiniteCheckpoint` if it holds NaN or inf.
     """
     step = self._resolve_step(step)
     self._check_shapes(step, abstract_state)
-    restored = self._mgr.restore(step, args=ocp.args.Composite(
+    restored = self._read(step, lambda: self._mgr.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(_with_default_shardings(abstract_state)),
-        meta=ocp.args.JsonRestore()))
-    return restored.state, dict(restored.meta or {})
+        meta=ocp.args.JsonRestore())))
+    meta = dict(restored.meta or {})
+    nonfinite = self._verify(step, restored.state, meta)
+    if nonfinite and require_finite:
+      raise NonFiniteCheckpoint(self.directory, step, nonfinite)
+    return restored.state, meta
+
+  def restore_newest_intact(self, abstract_state):
+    """`(state, meta)` of the newest checkpoint that is intact and finite; None if there is none at all.
+
+    For the training job (the only writer): each newer damaged checkpoint gets one warning
+    line (through `log`) and is renamed `<step>.corrupt`, so the restored one is the latest
+    again and that step can be saved anew. When none is intact nothing is renamed and a
+    `UserError` says so; when the newest intact one holds NaN or inf, a `UserError` names
+    the newest finite one before it.
+    """
+    self.wait()
+    self._mgr.reload()
+    steps = self.all_steps()
+    if not steps:
+      return None
+    damaged = []
+    for step in reversed(steps):
+      try:
+        result, error = self.restore(abstract_state, step, require_finite=True), None
+      except (DamagedCheckpoint, NonFiniteCheckpoint) as e:
+        result, error = None, e
+      if isinstance(error, NonFiniteCheckpoint):
+        good = self._newest_finite(abstract_state, [s for s in steps if s < step])
+        raise UserError(f"{error}: the state was poisoned before it was saved; "
+                        + (f"the last good checkpoint is {self.directory}/{good} (move the later ones aside "
+                           f"to resume from it)" if good is not None else "no earlier checkpoint is good"))
+      if error is None:
+        break
+      damaged.append(error)
+    else:
+      raise UserError(
+          f"no intact checkpoint in {self.directory}: step{'s' if len(damaged) > 1 else ''} "
+          f"{', '.join(str(e.step) for e in reversed(damaged))} damaged (newest: {damaged[0].reason}); "
+          f"restore them from a backup, or move {self.directory} aside to start afresh")
+    for error in damaged:
+      aside = self._move_aside(error.step)
+      self._log(f"warning: {error}; moved it to {aside} and resumed from step {step}")
+    if damaged:
+      self._mgr.reload()
+    return result
+
+  def _newest_finite(self, abstract_state, steps):
+    """The newest of `steps` that restores intact and finite, or None (the error path only)."""
+    for step in reversed(steps):
+      try:
+        self.restore(abstract_state, step, require_finite=True)
+        return step
+      except (DamagedCheckpoint, NonFiniteCheckpoint):
+        continue
+    return None
+
+  def _move_aside(self, step):
+    """Renames `<step>` to `<step>.corrupt` (`.corrupt-2`, ... if taken): out of orbax's listing, kept to inspect."""
+    aside = os.path.join(self.directory, f"{step}.corrupt")
+    n = 1
+    while os.path.exists(aside):
+      n += 1
+      aside = os.path.join(self.directory, f"{step}.corrupt-{n}")
+    if jax.process_index() == 0:
+      os.rename(os.path.join(self.directory, str(step)), aside)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"jaxformer.move_aside.{step}")
+    return aside
 
   def restore_params(self, abstract_params, step=None):
-    """Restores `(params, meta)` alone from a train-state or params checkpoint.
+    """Restores `(params, meta)` alone from a train-state or params checkpoint, verified.
 
     Reads only the `params` subtree (not the optimizer state), so eval works
-    on both training checkpoints and the output of `save_params`.
+    on both training checkpoints and the output of `save_params`; only the
+    params' checksums are checked. Raises `DamagedCheckpoint` like `restore`.
     """
     step = self._resolve_step(step)
     abstract = {"params": _with_default_shardings(abstract_params)}
     self._check_shapes(step, abstract, prefix="params/")
     step_dir = os.path.join(self.directory, str(step))
-    # The manager binds `state` to StandardRestore once it has saved; partial
-    # restores need the PyTree handler, so read the item directory directly.
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
-      state = ckptr.restore(
-          os.path.join(step_dir, "state"),
-          args=ocp.args.PyTreeRestore(
-              item=abstract,
-              restore_args=ocp.checkpoint_utils.construct_restore_args(
-                  abstract),
-              partial_restore=True))
-    with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as ckptr:
-      meta = ckptr.restore(os.path.join(step_dir, "meta"),
-                           args=ocp.args.JsonRestore())
-    return state["params"], dict(meta or {})
+
+    def read():
+      # The manager binds `state` to StandardRestore once it has saved; partial
+      # restores need the PyTree handler, so read the item directory directly.
+      with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
+        state = ckptr.restore(
+            os.path.join(step_dir, "state"),
+            args=ocp.args.PyTreeRestore(
+                item=abstract,
+                restore_args=ocp.checkpoint_utils.construct_restore_args(
+                    abstract),
+                partial_restore=True))
+      with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as ckptr:
+        meta = ckptr.restore(os.path.join(step_dir, "meta"), args=ocp.args.JsonRestore())
+      return state, dict(meta or {})
+
+    state, meta = self._read(step, read)
+    self._verify(step, {"params": state["params"]}, meta)
+    return state["params"], meta
+
+  def check(self):
+    """Raises `CheckpointWriteError` now if an asynchronous save has already failed; never waits.
+
+    Single-process jobs only (the processes of a multi-host job learn of a failure together, at
+    the next `save` or `wait`).
+    """
+    if self._writing is not None and jax.process_count() == 1 and not self._mgr.is_saving_in_progress():
+      self.wait()
 
   def stored_paths(self, step=None):
     """The paths ('params/decoder/layer_0/...') of what `step` (default: latest) holds."""
@@ -211,23 +501,30 @@ class Checkpointer:
     return [_path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(stored.tree)]
 
   def wait(self):
-    """Blocks until pending asynchronous saves are on disk."""
-    self._mgr.wait_until_finished()
+    """Blocks until pending asynchronous saves are on disk (`CheckpointWriteError` if one failed)."""
+    self._guard(self._writing, self._mgr.wait_until_finished)
+    self._writing = None
 
   def close(self):
     """Waits for pending saves and releases orbax's background threads."""
-    self._mgr.wait_until_finished()
+    if self._failed:  # already reported; what is left to wait for is orbax's cleanup
+      try:
+        self._mgr.close()
+      except Exception:  # pylint: disable=broad-exception-caught
+        pass
+      return
+    self.wait()
     self._mgr.close()
 
 
-def average_checkpoints(workdir, last_k, abstract_state):
-  """The mean of the `params` of the last `last_k` checkpoints in `workdir`.
+def average_checkpoints(workdir, last_k, abstract_state, log=None):
+  """The mean of the `params` of the last `last_k` checkpoints in `workdir`, each verified.
 
   Accumulates in float32 and returns the parameters' own dtypes, on the
   shardings of `abstract_state` (a full train state or just its params).
   """
   abstract_params = _params_of(abstract_state)
-  with Checkpointer(workdir, max_to_keep=None, async_save=False) as ckpt:
+  with Checkpointer(workdir, max_to_keep=None, async_save=False, log=log) as ckpt:
     steps = ckpt.all_steps()
     if last_k < 1 or len(steps) < last_k:
       raise UserError(
@@ -243,7 +540,7 @@ def average_checkpoints(workdir, last_k, abstract_state):
 
 
 def save_params(path, params, step=0, meta=None):
-  """Saves params-only checkpoint `<path>/checkpoints/<step>` for eval.
+  """Saves params-only checkpoint `<path>/checkpoints/<step>` for eval (with fresh checksums).
 
   Read it back with `Checkpointer(path).restore_params(abstract_params)`.
   """

@@ -143,6 +143,8 @@ class TrainConfig:
   seed: int = 0
   init_from: str = ""               # a workdir (e.g. from jaxformer.convert): start from its params, fresh optimizer
   nan_policy: str = "skip"          # skip | stop
+  max_skipped_steps: int = 10       # stop after this many skipped (non-finite) steps in a row; 0 = never
+  lease_timeout_s: float = 300.0    # a workdir lease held from another host is stale when not refreshed for this long
   steps_per_call: int = 1           # lm: steps fused into one jitted lax.scan (same result, less per-call cost)
   max_minutes: float = 0.0          # stop (with a checkpoint) after this much training time; 0 = no limit
   sample_every_eval: bool = True    # lm: print a sample at eval time
@@ -327,6 +329,10 @@ def _validate(cfg):
     raise UserError(f"optim.schedule={cfg.optim.schedule!r}: choose rsqrt, cosine or constant")
   if cfg.train.nan_policy not in ("skip", "stop"):
     raise UserError(f"train.nan_policy={cfg.train.nan_policy!r}: choose skip or stop")
+  if cfg.train.max_skipped_steps < 0:
+    raise UserError(f"train.max_skipped_steps={cfg.train.max_skipped_steps} must be 0 (never stop) or more")
+  if cfg.train.lease_timeout_s <= 0:
+    raise UserError(f"train.lease_timeout_s={cfg.train.lease_timeout_s:g} must be positive (seconds)")
 
 
 def to_dict(cfg):

@@ -115,13 +115,15 @@ def load_run(workdir, average_last=0, step=None, log=print, overrides=(), scan_l
   config_lib._validate(cfg)  # an override like decode.length_penalty=typo is an error, not a silent default
   if scan_layers is not None:
     cfg = config_lib.replace(cfg, **{"model.scan_layers": bool(scan_layers)})
-  ckpt = checkpoint_lib.Checkpointer(workdir, max_to_keep=None, async_save=False)
+  # Read-only (no lease, no cleanup): works while training writes the workdir. Every checkpoint
+  # read is verified against its checksums; a damaged one is a one-line error.
+  ckpt = checkpoint_lib.Checkpointer(workdir, max_to_keep=None, async_save=False, log=log)
   try:
     steps = (ckpt.all_steps()[-average_last:] or [None]) if average_last > 1 else [step]
     stored_scan = stored_scan_layers(ckpt, steps[-1])
     _, shapes = abstract_params(config_lib.replace(cfg, **{"model.scan_layers": stored_scan}))
     if average_last > 1:
-      params = checkpoint_lib.average_checkpoints(workdir, average_last, {"params": shapes})
+      params = checkpoint_lib.average_checkpoints(workdir, average_last, {"params": shapes}, log=log)
       _, meta = ckpt.restore_params(shapes, step=steps[-1])
       log(f"averaged the last {average_last} checkpoints: steps {steps}")
     else:

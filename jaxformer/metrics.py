@@ -1,5 +1,6 @@
 """Metric logging: JSON lines + TensorBoard, a progress line, and plots."""
 
+import errno
 import json
 import math
 import os
@@ -131,9 +132,13 @@ class MetricWriter:
   def close(self):
     """Flushes and closes the files."""
     if self._jsonl is not None:
-      self._jsonl.close()
-      self._tb.close()
-      self._jsonl = self._tb = None
+      files, self._jsonl, self._tb = (self._jsonl, self._tb), None, None
+      for f in files:
+        try:
+          f.close()
+        except OSError as e:  # a full disk: the run is already stopping with one line that says so
+          if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
 
 
 def read_jsonl(path):

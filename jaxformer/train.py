@@ -29,6 +29,7 @@ from jaxformer import config as config_lib
 from jaxformer import decode
 from jaxformer import evaluate as evaluate_lib
 from jaxformer import inspect as inspect_lib
+from jaxformer import lease as lease_lib
 from jaxformer import metrics as metrics_lib
 from jaxformer import model as model_lib
 from jaxformer import optim
@@ -165,8 +166,11 @@ def setup(cfg, workdir, log=print):
 
 
 def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
-  """Trains `cfg` in `workdir` (resuming from its latest checkpoint) and returns final metrics."""
-  compiles_before = len(runtime.COMPILES)
+  """Trains `cfg` in `workdir` (resuming from its newest intact checkpoint) and returns final metrics.
+
+  Holds the workdir's lease (`jaxformer.lease`) while it runs: a second run on the same
+  workdir stops at once with one line naming this one.
+  """
   try:
     os.makedirs(workdir, exist_ok=True)
     probe = os.path.join(workdir, f".write-test-{jax.process_index()}")
@@ -174,6 +178,64 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
     os.remove(probe)
   except OSError as e:
     raise UserError(f"cannot write to workdir {workdir}: {e.strerror}") from e
+  lease = _take_lease(cfg, workdir, log)
+  try:
+    return _train_and_evaluate(cfg, workdir, log, lease)
+  finally:
+    if lease is not None:
+      lease.release()
+
+
+def _take_lease(cfg, workdir, log):
+  """Process 0 takes the workdir lease (all hosts share the workdir); every process learns
+  whether it did, so all stop together when another run holds it."""
+  error, lease = None, None
+  if jax.process_index() == 0:
+    try:
+      lease = lease_lib.acquire(workdir, cfg.train.lease_timeout_s, command=f"python {shlex.join(sys.argv)}",
+                                log=log)
+    except UserError as e:
+      error = e
+  if jax.process_count() > 1 and not multihost_utils.broadcast_one_to_all(np.int32(error is None)):
+    error = error or UserError(f"another run holds the lease on workdir {workdir} (process 0 says which)")
+  if error is not None:
+    raise error
+  return lease
+
+
+def _lease_lost(lease):
+  """The message if another run took this run's workdir lease over (process 0 tells all), else None."""
+  lost = lease.lost if lease is not None else None
+  if jax.process_count() > 1 and multihost_utils.broadcast_one_to_all(np.int32(lost is not None)):
+    lost = lost or "process 0 lost the workdir lease to another run"
+  return lost
+
+
+def _skip_streak(metrics_list, in_row):
+  """Non-finite (skipped) steps in a row at the end of the logged steps, continuing `in_row`
+  (entries may hold several steps each, in order)."""
+  for finite in np.concatenate([np.ravel(m["finite"]) for m in metrics_list]):
+    in_row = 0 if finite else in_row + 1
+  return in_row
+
+
+def _poisoned_message(in_row, step, limit, ckpt):
+  """The one line for `in_row` skipped steps in a row ending at `step`, naming the last good checkpoint."""
+  first = step - in_row + 1
+  steps = ckpt.all_steps()
+  before = [s for s in steps if s < first]
+  if before:
+    where = f"the last good checkpoint is {ckpt.directory}/{before[-1]}"
+  elif steps:  # the older ones were pruned (train.keep_checkpoints); a skipped step changes no weights
+    where = f"checkpoints {steps} were saved during the skipped steps and hold the weights of step {first - 1}"
+  else:
+    where = f"no checkpoint was saved before step {first}"
+  return (f"{in_row} non-finite steps in a row (steps {first}-{step} skipped, train.max_skipped_steps={limit}): "
+          f"the state or the data is poisoned; {where}")
+
+
+def _train_and_evaluate(cfg, workdir, log, lease):
+  compiles_before = len(runtime.COMPILES)
   is_main = jax.process_index() == 0
   if not is_main:
     log = lambda *args, **kwargs: None  # One process speaks for the job.
@@ -182,11 +244,12 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
   mesh, task, model, tx, schedule, init_fn, rng, abstract, state_sharding = setup(cfg, workdir, log)
   batch_sharding = sharding.batch_sharding(mesh)
 
-  ckpt = checkpoint_lib.Checkpointer(workdir, max_to_keep=cfg.train.keep_checkpoints, cleanup_tmp=True)
+  ckpt = checkpoint_lib.Checkpointer(workdir, max_to_keep=cfg.train.keep_checkpoints, cleanup_tmp=True, log=log)
   abstract_unboxed = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                                   nn.unbox(abstract), state_sharding)
-  if ckpt.latest_step() is not None:
-    state, meta = ckpt.restore(abstract_unboxed)
+  resumed = ckpt.restore_newest_intact(abstract_unboxed)  # damaged newer ones are moved aside, with a warning
+  if resumed is not None:
+    state, meta = resumed
     if meta.get("tokenizer_sha256") not in (None, evaluate_lib.file_sha256(task.tokenizer_path)):
       raise UserError(f"tokenizer {task.tokenizer_path} is not the one checkpoint step {meta.get('step')} was "
                       "trained with (its hash differs): restore the original tokenizer or use a new --workdir")
@@ -222,6 +285,7 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
   deadline = time.time() + 60 * cfg.train.max_minutes if cfg.train.max_minutes else None
   writer.deadline = deadline  # the ETA never promises more than train.max_minutes
   result = {}
+  skipped_in_row = 0  # non-finite steps in a row, as of the last log
   try:
     while step < cfg.train.num_steps:
       batches = [task.train_batch(s) for s in range(step, step + _steps_this_call(step, cfg.train, task))]
@@ -240,7 +304,10 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
       last = step == cfg.train.num_steps or (deadline is not None and time.time() > deadline)
       nan_stop = cfg.train.nan_policy == "stop" and not jnp.all(metrics["finite"])  # a sync, only for stop
       if step % cfg.train.log_every == 0 or last or stop.signal or nan_stop:
-        summary = _summarize(jax.device_get(pending))
+        ckpt.check()  # a failed background save stops the run here, before more is written to a full disk
+        fetched = jax.device_get(pending)
+        summary = _summarize(fetched)
+        skipped_in_row = _skip_streak(fetched, skipped_in_row)
         pending = []
         now = time.time()
         summary["tokens_per_sec"] = tokens_since / max(now - t_last, 1e-9)
@@ -255,6 +322,11 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
         if summary.pop("nonfinite") and cfg.train.nan_policy == "stop":
           raise UserError(f"non-finite loss or gradient before step {step} (train.nan_policy=stop); "
                           f"the last good checkpoint is in {ckpt.directory}")
+        if cfg.train.max_skipped_steps and skipped_in_row >= cfg.train.max_skipped_steps:
+          raise UserError(_poisoned_message(skipped_in_row, step, cfg.train.max_skipped_steps, ckpt))
+        lost = _lease_lost(lease)
+        if lost:
+          raise UserError(lost)
         result.update(summary)
       if dev_batches and (step % cfg.train.eval_every == 0 or last):
         val = evaluate(eval_step, state["params"], dev_batches)
@@ -282,6 +354,7 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
         if step < cfg.train.num_steps:
           log(f"train.max_minutes={cfg.train.max_minutes} reached at step {step}")
         break
+    ckpt.wait()  # a failed last save stops the run here, before any final evaluation
     if task.name == "translation" and cfg.train.final_eval_split and "interrupted" not in result:
       split = cfg.train.final_eval_split
       scores, hyps, sources, refs = evaluate_lib.evaluate_translation(
@@ -297,10 +370,17 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
     writer.write(step, {"programs_compiled": len(compiles), "compile_s": sum(compiles)})
     log(f"compiled {len(compiles)} XLA programs in {sum(compiles):.1f} s (train/eval steps per batch shape, "
         f"decoding, sampling; programs found in the compilation cache count with their load time)")
+  except OSError as e:
+    if not checkpoint_lib.is_no_space(e):
+      raise
+    raise UserError(f"no space left on {checkpoint_lib.filesystem_of(e.filename or workdir)} while writing "
+                    f"{e.filename or 'to the workdir'} at step {step}; {ckpt.last_complete_phrase()}") from e
   finally:
     stop.restore()
-    ckpt.close()
-    writer.close()
+    try:
+      ckpt.close()
+    finally:
+      writer.close()
   if is_main and os.path.exists(os.path.join(workdir, "metrics.jsonl")):
     metrics_lib.plot_metrics(os.path.join(workdir, "metrics.jsonl"), os.path.join(workdir, "metrics.png"))
   result["step"] = step

@@ -1,5 +1,7 @@
 """Tests for jaxformer.checkpoint."""
 
+import errno
+import json
 import os
 import shutil
 import subprocess
@@ -12,7 +14,10 @@ import numpy as np
 import optax
 import pytest
 
+from orbax.checkpoint._src.serialization import serialization as orbax_serialization
+
 from jaxformer import checkpoint
+from jaxformer import checksum
 from jaxformer.errors import UserError
 
 
@@ -196,3 +201,156 @@ def test_sharded_restore(tmp_path):
   out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root,
                        capture_output=True, text=True, timeout=120)
   assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+
+
+def _fingerprint_numpy(x):
+  """`checksum.fingerprint` of one float32/int32 array, written out in numpy (the reference)."""
+  w = np.ascontiguousarray(x).reshape(-1).view(np.uint32)
+  pos = np.arange(1, w.size + 1, dtype=np.uint32)
+
+  def fmix32(h):
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
+
+  with np.errstate(over="ignore"):
+    s1 = fmix32(w + pos * np.uint32(0x9E3779B1)).sum(dtype=np.uint32)
+    s2 = fmix32(w * np.uint32(0x27D4EB2F) + pos * np.uint32(0x165667B1)).sum(dtype=np.uint32)
+  return f"{int(s1):08x}{int(s2):08x}"
+
+
+def test_checksums_match_a_numpy_reference_and_see_any_change():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(7, 5, 3)).astype(np.float32)
+  sums, nonfinite = checksum.fingerprint({"a": jnp.asarray(x), "b": {"i": jnp.arange(11, dtype=jnp.int32)}})
+  assert sums == {"a": _fingerprint_numpy(x), "b/i": _fingerprint_numpy(np.arange(11, dtype=np.int32))}
+  assert nonfinite == []
+  flipped = x.copy()
+  flipped.view(np.uint32)[3, 2, 1] ^= 1 << 7  # one bit
+  swapped = x.copy()
+  swapped[[0, 1]] = swapped[[1, 0]]  # same values, other places
+  assert checksum.fingerprint({"a": jnp.asarray(flipped)})[0]["a"] != sums["a"]
+  assert checksum.fingerprint({"a": jnp.asarray(swapped)})[0]["a"] != sums["a"]
+  # The host form (numpy, in chunks) and the device form (jitted reductions) give the same sums.
+  for shape, dtype in [((3,), jnp.float32), ((300, 500), jnp.float32), ((70, 300), jnp.bfloat16),
+                       ((2, 3, 4), jnp.int32), ((), jnp.uint8), ((5,), jnp.bool_)]:
+    y = jax.random.normal(jax.random.key(1), shape).astype(dtype)
+    host = checksum._host_fingerprint(y)  # pylint: disable=protected-access
+    device = jax.device_get(checksum._device_fingerprint(y))  # pylint: disable=protected-access
+    np.testing.assert_array_equal(host[0], device[0])
+  x[1, 1, 1] = np.nan
+  assert checksum.fingerprint({"p": {"a": jnp.asarray(x)}, "q": jnp.ones(2)})[1] == ["p/a"]
+
+
+def _meta_file(workdir, step):
+  return os.path.join(workdir, "checkpoints", str(step), "meta", "metadata")
+
+
+def _edit_meta(workdir, step, edit):
+  with open(_meta_file(workdir, step)) as f:
+    meta = json.load(f)
+  edit(meta)
+  with open(_meta_file(workdir, step), "w") as f:
+    json.dump(meta, f)
+
+
+def test_damage_is_detected_and_old_checkpoints_restore_unverified(tmp_path):
+  with checkpoint.Checkpointer(tmp_path, async_save=False) as ckpt:
+    for step in (1, 2, 3):
+      ckpt.save(step, make_state(step), {"step": step})
+  # A changed number (here: its recorded checksum) is found by both kinds of restore.
+  _edit_meta(tmp_path, 3, lambda m: m["checksums"]["arrays"].update({"params/dense/bias": "0" * 16}))
+  with checkpoint.Checkpointer(tmp_path) as ckpt:
+    with pytest.raises(checkpoint.DamagedCheckpoint,
+                       match=f"checkpoint {tmp_path}/checkpoints/3 is damaged: params/dense/bias does not match"):
+      ckpt.restore(abstract_of(make_state()), step=3)
+    with pytest.raises(checkpoint.DamagedCheckpoint, match="params/dense/bias does not match its checksum"):
+      ckpt.restore_params(abstract_of(make_state())["params"], step=3)
+    # The optimizer state is not read for eval, so its damage does not stop eval.
+    _edit_meta(tmp_path, 2, lambda m: m["checksums"]["arrays"].update({"opt_state/0/mu/embed": "0" * 16}))
+    ckpt.restore_params(abstract_of(make_state())["params"], step=2)
+    with pytest.raises(checkpoint.DamagedCheckpoint, match="opt_state/0/mu/embed does not match"):
+      ckpt.restore(abstract_of(make_state()), step=2)
+  # Written before checksums: restored, with a note.
+  _edit_meta(tmp_path, 1, lambda m: m.pop("checksums"))
+  notes = []
+  with checkpoint.Checkpointer(tmp_path, log=notes.append) as ckpt:
+    state, meta = ckpt.restore(abstract_of(make_state()), step=1)
+  assert meta == {"step": 1} and notes == [
+      f"note: checkpoint {tmp_path}/checkpoints/1 was written before checkpoints carried checksums: "
+      "restored without verifying them"]
+  assert_bitwise_equal(state, make_state(1))
+
+
+def test_restore_newest_intact_moves_damaged_ones_aside(tmp_path):
+  with checkpoint.Checkpointer(tmp_path, async_save=False) as ckpt:
+    for step in (1, 2, 3, 4):
+      ckpt.save(step, make_state(step), {"step": step})
+  _edit_meta(tmp_path, 4, lambda m: m["checksums"]["arrays"].update({"step": "0" * 16}))
+  os.truncate(os.path.join(tmp_path, "checkpoints", "3", "state", "_METADATA"), 10)
+  notes = []
+  with checkpoint.Checkpointer(tmp_path, max_to_keep=3, log=notes.append) as ckpt:
+    state, meta = ckpt.restore_newest_intact(abstract_of(make_state()))
+    assert meta == {"step": 2} and ckpt.latest_step() == 2 and ckpt.all_steps() == [1, 2]
+    assert_bitwise_equal(state, make_state(2))
+    root = f"{tmp_path}/checkpoints"
+    assert notes == [
+        f"warning: checkpoint {root}/4 is damaged: step does not match its checksum; moved it to {root}/4.corrupt "
+        f"and resumed from step 2",
+        f"warning: checkpoint {root}/3 is damaged: cannot read its metadata (JSONDecodeError: Unterminated string "
+        f"starting at: line 1 column 2 (char 1)); moved it to {root}/3.corrupt and resumed from step 2"]
+    ckpt.save(3, make_state(3), {"step": 3})  # the step numbers are free again
+    ckpt.wait()
+    assert ckpt.all_steps() == [1, 2, 3]
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1", "2", "3", "3.corrupt", "4.corrupt"]
+
+
+def test_no_intact_or_nonfinite_checkpoint(tmp_path):
+  with checkpoint.Checkpointer(tmp_path, async_save=False) as ckpt:
+    ckpt.save(1, make_state(1), {"step": 1})
+    poisoned = make_state(2)
+    poisoned["params"]["dense"]["kernel"] = poisoned["params"]["dense"]["kernel"].at[0, 0].set(jnp.inf)
+    with pytest.raises(checkpoint.NonFiniteState, match=(
+        r"the train state at step 2 holds NaN or inf \(params/dense/kernel\), so it was not saved; "
+        r"the last complete checkpoint is step 1")):
+      ckpt.save(2, poisoned, {"step": 2})
+    ckpt.save(2, poisoned, {"step": 2}, allow_nonfinite=True)
+    with pytest.raises(UserError, match=(
+        f"checkpoint {tmp_path}/checkpoints/2 holds NaN or inf \\(params/dense/kernel\\): the state was poisoned "
+        f"before it was saved; the last good checkpoint is {tmp_path}/checkpoints/1 ")):
+      ckpt.restore_newest_intact(abstract_of(make_state()))
+  for step in (1, 2):
+    _edit_meta(tmp_path, step, lambda m: m["checksums"]["arrays"].update({"step": "0" * 16}))
+  before = sorted(os.listdir(tmp_path / "checkpoints"))
+  with checkpoint.Checkpointer(tmp_path) as ckpt:
+    with pytest.raises(UserError, match=(
+        f"^no intact checkpoint in {tmp_path}/checkpoints: steps 1, 2 damaged \\(newest: step does not match its "
+        f"checksum\\); restore them from a backup, or move {tmp_path}/checkpoints aside to start afresh$")):
+      ckpt.restore_newest_intact(abstract_of(make_state()))
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == before
+
+
+@pytest.mark.parametrize("code,message", [(errno.ENOSPC, "no space left on .*"), (errno.EIO, "cannot write .*")])
+def test_failed_background_write_is_one_error(tmp_path, monkeypatch, code, message):
+  """The array writer fails in orbax's background thread: `wait` raises one CheckpointWriteError;
+  the earlier checkpoint is untouched and nothing of the failed one is left."""
+  write = orbax_serialization.async_serialize_from_host
+
+  async def failing(rslices, tensorstore_spec, **kwargs):
+    if "/2.orbax-checkpoint-tmp" in json.dumps(tensorstore_spec, default=str):
+      raise OSError(code, os.strerror(code))
+    return await write(rslices, tensorstore_spec, **kwargs)
+
+  monkeypatch.setattr(orbax_serialization, "async_serialize_from_host", failing)
+  with checkpoint.Checkpointer(tmp_path) as ckpt:
+    ckpt.save(1, make_state(1), {"step": 1})
+    ckpt.wait()
+    assert ckpt.save(2, make_state(2), {"step": 2})
+    with pytest.raises(checkpoint.CheckpointWriteError,
+                       match=f"^{message} while saving step 2; the last complete checkpoint is step 1$"):
+      ckpt.wait()
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1"]
+  with checkpoint.Checkpointer(tmp_path) as ckpt:
+    assert_bitwise_equal(ckpt.restore(abstract_of(make_state()))[0], make_state(1))

@@ -97,6 +97,8 @@ def test_bad_values_fail_clearly(override, expected):
     ("model.activation=tanh", "choose one of"),
     ("data.task=lm", "needs model.arch=decoder_only"),
     ("train.nan_policy=ignore", "skip or stop"),
+    ("train.max_skipped_steps=-1", r"must be 0 \(never stop\) or more"),
+    ("train.lease_timeout_s=0", "must be positive"),
 ])
 def test_inconsistent_configs_are_rejected(override, expected):
   with pytest.raises(UserError, match=expected):

@@ -149,6 +149,25 @@ def test_checkpoint_config_mismatch_is_detected(tiny_run, tmp_path, capsys):
                     "was it trained with another config", "--workdir", str(copy), "--limit", "2")
 
 
+def test_damaged_checkpoints_are_refused(tiny_run, tmp_path, capsys):
+  """A checkpoint whose params do not match their checksums, or that cannot be read: one line, for
+  the latest, for --average-last and for --step (eval never decodes with numbers that fail the check)."""
+  workdir, _, _ = tiny_run
+  copy = tmp_path / "run"
+  shutil.copytree(workdir, copy, ignore=shutil.ignore_patterns("tb"))
+  meta_path = copy / "checkpoints" / "8" / "meta" / "metadata"
+  meta = json.loads(meta_path.read_text())
+  name = sorted(k for k in meta["checksums"]["arrays"] if k.startswith("params/"))[0]
+  meta["checksums"]["arrays"][name] = "0" * 16  # as if that array had changed on disk
+  meta_path.write_text(json.dumps(meta))
+  damaged = rf"checkpoint {copy}/checkpoints/8 is damaged: {name} does not match its checksum"
+  assert_user_error(capsys, damaged, "--workdir", str(copy), "--limit", "1", "--beam", "1")
+  assert_user_error(capsys, damaged, "--workdir", str(copy), "--average-last", "2", "--limit", "1")
+  os.truncate(copy / "checkpoints" / "4" / "meta" / "metadata", 50)
+  assert_user_error(capsys, rf"checkpoint {copy}/checkpoints/4 is damaged: cannot read it \(JSONDecodeError",
+                    "--workdir", str(copy), "--step", "4", "--limit", "1")
+
+
 def lm_setup(text):
   cfg = load_config("gpt2_tiny")
   tok = tokenizer_lib.CharTokenizer.train([text])

@@ -118,6 +118,7 @@ def test_killed_and_resumed_run_matches_the_uninterrupted_one(baseline, tmp_path
   assert rc == -signal.SIGKILL and in_save, out
   unfinished = glob.glob(f"{workdir}/checkpoints/{k}.orbax-checkpoint-tmp*")
   assert unfinished and steps_on_disk(workdir)[-1] == k - 2, os.listdir(workdir / "checkpoints")
+  killed_pid = json.loads((workdir / "lease.json").read_text())["pid"]  # the killed run's lease is left behind
   # Rename it to a step that is never saved again: it must be ignored, and cleaned up.
   os.rename(unfinished[0], workdir / "checkpoints" / f"{k - 1}.orbax-checkpoint-tmp")
   last = k - 2
@@ -126,6 +127,9 @@ def test_killed_and_resumed_run_matches_the_uninterrupted_one(baseline, tmp_path
     after = min(last + rng.randint(1, 3), 9)
     rc, out, _ = interrupt(workdir, signal.SIGKILL, after, delay=rng.uniform(0, 0.2))
     assert rc == -signal.SIGKILL and resumed_step(out) == last, out
+    # ... and the next run takes it over at once: same host, and that pid no longer exists.
+    assert f"took over the workdir lease of pid {killed_pid} on host " in out and "no longer exists" in out, out
+    killed_pid = json.loads((workdir / "lease.json").read_text())["pid"]
     last = steps_on_disk(workdir)[-1]
   # SIGTERM: the step finishes, a checkpoint is written, exit 0 with how to resume.
   rc, out, _ = interrupt(workdir, signal.SIGTERM, min(last + rng.randint(1, 2), 10))
@@ -145,7 +149,7 @@ def test_killed_and_resumed_run_matches_the_uninterrupted_one(baseline, tmp_path
     np.testing.assert_array_equal(a, b)
   assert losses_by_step(workdir) == losses_by_step(baseline)  # the same batch at every step
   assert steps_on_disk(baseline) == steps_on_disk(workdir) == [8, 10, 12]
-  assert sorted(os.listdir(workdir / "checkpoints")) == ["10", "12", "8"]
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["10", "12", "8"] and not (workdir / "lease.json").exists()
 
 
 def test_nan_stop_keeps_the_last_good_checkpoint(baseline, tmp_path, monkeypatch, capsys):
