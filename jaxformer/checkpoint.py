@@ -238,7 +238,10 @@ class Checkpointer:
     if nonfinite and not allow_nonfinite:
       raise NonFiniteState(f"the train state at step {step} holds NaN or inf ({_some(nonfinite)}), so it was not "
                            f"saved; {self.last_complete_phrase()}")
-    meta = {**(meta or {}), "checksums": {"algorithm": checksum.ALGORITHM, "arrays": sums}}
+    # The dtypes too: a restore may widen an array (a bfloat16 checkpoint into float32 params,
+    # exactly), and its checksum is of the stored bits.
+    dtypes = {checksum.path_str(p): str(x.dtype) for p, x in jax.tree_util.tree_leaves_with_path(state)}
+    meta = {**(meta or {}), "checksums": {"algorithm": checksum.ALGORITHM, "arrays": sums, "dtypes": dtypes}}
     args = ocp.args.Composite(
         state=ocp.args.StandardSave(state),
         meta=ocp.args.JsonSave(meta))
@@ -338,6 +341,10 @@ class Checkpointer:
     Returns the paths of arrays holding NaN or inf; raises `DamagedCheckpoint` on a mismatch.
     """
     record = meta.pop("checksums", None)
+    stored = record.get("dtypes", {}) if isinstance(record, dict) else {}
+    tree = jax.tree_util.tree_map_with_path(  # back to the stored dtype (exact: restoring only widens)
+        lambda p, x: x.astype(stored[checksum.path_str(p)])
+        if str(x.dtype) != stored.get(checksum.path_str(p), str(x.dtype)) else x, tree)
     sums, nonfinite = checksum.fingerprint(tree)
     if "step" in meta and meta["step"] != step:
       raise DamagedCheckpoint(self.directory, step, f"its metadata names step {meta['step']}")
@@ -498,7 +505,7 @@ class Checkpointer:
     """The paths ('params/decoder/layer_0/...') of what `step` (default: latest) holds."""
     step = self._resolve_step(step)
     stored = ocp.StandardCheckpointHandler().metadata(epath.Path(self.directory) / str(step) / "state")
-    return [_path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(stored.tree)]
+    return [checksum.path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(stored.tree)]
 
   def wait(self):
     """Blocks until pending asynchronous saves are on disk (`CheckpointWriteError` if one failed)."""
