@@ -145,11 +145,12 @@ def setup(cfg, workdir, log=print):
   """Builds mesh, task, model, optimizer and the (restored or fresh) sharded state."""
   mesh = sharding.make_mesh(cfg.mesh)
   data_parallel = mesh.shape["data"] * mesh.shape["fsdp"]
-  # Multi-host: process 0 trains the tokenizer and fills the data cache before the
-  # others read them (a shared workdir would otherwise see concurrent writes).
+  # Multi-host: process 0 trains the tokenizer and prepares the data (on first use) before
+  # the others read them (a shared workdir would otherwise see concurrent writes).
   if jax.process_index() > 0:
     multihost_utils.sync_global_devices("jaxformer.setup")
-  task = tasks.make_task(cfg, workdir, batch_multiple=data_parallel, log=log)
+  task = tasks.make_task(cfg, workdir, batch_multiple=data_parallel, log=log,
+                         part=sharding.batch_part(sharding.batch_sharding(mesh)))  # read only this process's rows
   if jax.process_count() > 1 and jax.process_index() == 0:
     multihost_utils.sync_global_devices("jaxformer.setup")
   model = model_lib.build_model(cfg.model)

@@ -1,0 +1,175 @@
+"""Prepared token shards on disk (what `jaxformer.prepare` writes), read through `np.memmap`.
+
+A data directory holds `manifest.json` and one folder per split (`train`, `val` for a
+language model; `train`, `dev`, `test` for translation). A split is a sequence of shards;
+shard k of a split stores, for each field (`text`, or `src` and `tgt`):
+
+    shard-0000k.<field>.bin   the token ids of its documents, concatenated (uint16 when the
+                              vocabulary fits, else uint32); EOS ends each LM document
+    shard-0000k.<field>.idx   int64 document offsets into the .bin [docs + 1], from 0
+    shard-0000k.json          its marker: token and document counts, sha256 of each file,
+                              and where in the input it ends (written last: a shard
+                              without it is incomplete)
+
+Documents never straddle shards. Readers open every shard as a memory map and present a
+split as one virtual array: the operating system pages in what a batch touches, so memory
+does not grow with the corpus.
+"""
+
+import json
+import os
+
+import numpy as np
+
+from jaxformer.errors import UserError
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+
+
+def shard_stem(data_dir, split, index):
+  """The common path prefix of shard `index` of `split`."""
+  return os.path.join(data_dir, split, f"shard-{index:05d}")
+
+
+def token_path(stem, field):
+  return f"{stem}.{field}.bin"
+
+
+def offsets_path(stem, field):
+  return f"{stem}.{field}.idx"
+
+
+def marker_path(stem):
+  return f"{stem}.json"
+
+
+def text_path(stem):
+  """Raw text of a validation shard's documents, joined by newlines (for eval.py's perplexity)."""
+  return f"{stem}.txt"
+
+
+def token_dtype(vocab_size):
+  """uint16 when every id fits, else uint32."""
+  return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+def read_manifest(data_dir):
+  """The manifest of `data_dir` as a dict, or None when there is none."""
+  path = os.path.join(data_dir, MANIFEST)
+  if not os.path.isfile(path):
+    return None
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+class _Shards:
+  """The shards of one field of one split, memory-mapped (read-only)."""
+
+  def __init__(self, data_dir, split, field, manifest=None):
+    manifest = manifest or read_manifest(data_dir)
+    if manifest is None or not manifest.get("complete"):
+      raise UserError(f"{data_dir} holds no prepared data: run python -m jaxformer.prepare --config NAME")
+    if split not in manifest["splits"]:
+      raise UserError(f"{data_dir} has no {split} split (it has {', '.join(manifest['splits'])})")
+    dtype = np.dtype(manifest["dtype"])
+    self.tokens, self.offsets = [], []
+    token_counts, doc_counts = [], []
+    for index, info in enumerate(manifest["splits"][split]["shards"]):
+      stem = shard_stem(data_dir, split, index)
+      n, d = info["tokens"][field], info["docs"]
+      # np.memmap cannot map an empty file; a shard of empty documents has no tokens.
+      self.tokens.append(np.memmap(token_path(stem, field), dtype, "r", shape=(n,)) if n else np.zeros(0, dtype))
+      self.offsets.append(np.memmap(offsets_path(stem, field), np.int64, "r", shape=(d + 1,)))
+      token_counts.append(n)
+      doc_counts.append(d)
+    self.token_starts = np.concatenate([[0], np.cumsum(token_counts, dtype=np.int64)])
+    self.doc_starts = np.concatenate([[0], np.cumsum(doc_counts, dtype=np.int64)])
+    self.num_tokens = int(self.token_starts[-1])
+    self.num_docs = int(self.doc_starts[-1])
+
+  def read(self, start, stop):
+    """Tokens [start, stop) of the split as int32, across shard boundaries."""
+    out = np.empty(stop - start, np.int32)
+    k = int(np.searchsorted(self.token_starts, start, "right")) - 1
+    pos = start
+    while pos < stop:
+      end = min(stop, int(self.token_starts[k + 1]))
+      base = int(self.token_starts[k])
+      out[pos - start:end - start] = self.tokens[k][pos - base:end - base]
+      pos, k = end, k + 1
+    return out
+
+
+class TokenStream(_Shards):
+  """A split as one token stream [num_tokens] (documents end in EOS), for LM windows."""
+
+  def __len__(self):
+    return self.num_tokens
+
+  def take(self, starts, length):
+    """Rows of `length` consecutive tokens from each start: [len(starts), length] int32."""
+    out = np.empty((len(starts), length), np.int32)
+    for i, s in enumerate(np.asarray(starts, np.int64)):
+      out[i] = self.read(int(s), int(s) + length)
+    return out
+
+  def document_starts(self, start, stop):
+    """Global positions in (start, stop) where a document begins, ascending [n] int64."""
+    found = []
+    k = int(np.searchsorted(self.token_starts, start, "right")) - 1
+    while k < len(self.tokens) and self.token_starts[k] < stop:
+      base = int(self.token_starts[k])
+      offs = self.offsets[k]
+      lo = int(np.searchsorted(offs, start - base, "right"))
+      hi = int(np.searchsorted(offs, stop - base, "left"))
+      found.append(np.asarray(offs[lo:hi], np.int64) + base)
+      k += 1
+    return np.concatenate(found) if found else np.zeros(0, np.int64)
+
+  def segments(self, starts, length):
+    """Segment ids (from 1) and positions (from 0) of rows `take(starts, length)`: both restart
+    at the row start and at every document start. Returns two [len(starts), length] int32."""
+    new = np.zeros((len(starts), length), bool)
+    for i, s in enumerate(np.asarray(starts, np.int64)):
+      new[i, self.document_starts(int(s), int(s) + length) - s] = True
+    new[:, 0] = False
+    idx = np.broadcast_to(np.arange(length), new.shape)
+    begin = np.maximum.accumulate(np.where(new, idx, 0), axis=1)
+    return (1 + np.cumsum(new, axis=1)).astype(np.int32), (idx - begin).astype(np.int32)
+
+  def documents(self):
+    """Yields every document as an int32 array (EOS included), in order."""
+    for tokens, offs in zip(self.tokens, self.offsets):
+      offs = np.asarray(offs)
+      for a, b in zip(offs[:-1], offs[1:]):
+        yield np.asarray(tokens[a:b], np.int32)
+
+
+class RaggedShards(_Shards):
+  """A split as variable-length sequences (translation sentences): the `data.Ragged`
+  interface (`lengths`, `gather`, `len`), reading only the rows asked for.
+
+  `lengths` [num_docs] int64 is the one array held in memory (8 bytes per sentence):
+  length buckets are built from it alone.
+  """
+
+  def __init__(self, data_dir, split, field, manifest=None):
+    super().__init__(data_dir, split, field, manifest)
+    self.lengths = np.concatenate([np.diff(np.asarray(o)) for o in self.offsets] or [np.zeros(0, np.int64)])
+
+  def __len__(self):
+    return self.num_docs
+
+  def __getitem__(self, i):
+    k = int(np.searchsorted(self.doc_starts, i, "right")) - 1
+    j = i - int(self.doc_starts[k])
+    return np.asarray(self.tokens[k][self.offsets[k][j]:self.offsets[k][j + 1]], np.int32)
+
+  def gather(self, idx, length):
+    """Rows `idx` [B] as [B, length] int32, zero-padded on the right (truncated past `length`)."""
+    out = np.zeros((len(idx), length), np.int32)
+    for row, i in enumerate(np.asarray(idx)):
+      seq = self[int(i)][:length]
+      out[row, :len(seq)] = seq
+    return out
