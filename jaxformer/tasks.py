@@ -12,14 +12,15 @@ from jaxformer import data as data_lib
 from jaxformer import losses
 from jaxformer import prepare
 from jaxformer import shards
+from jaxformer import sources
 from jaxformer import tokenizer as tokenizer_lib
 from jaxformer.config import Config
 from jaxformer.errors import UserError
 
-# Where the data and tokenizer live, and the dev/test text BLEU reads, are `prepare`'s business.
+# Where the data and tokenizer live, and the dev/test text BLEU reads: `prepare` and `sources`.
 tokenizer_path = prepare.tokenizer_path
-local_file = prepare.local_file
-load_translation_splits = prepare.load_translation_splits
+local_file = sources.local_file
+load_translation_splits = sources.load_translation_splits
 
 
 class TranslationTask:
