@@ -10,6 +10,7 @@ Language-model batches are nanoGPT-style random windows of one token stream,
 seeded by (seed, step) for the same reason.
 """
 
+import functools
 import hashlib
 import itertools
 import os
@@ -528,6 +529,11 @@ _MIX = tuple(np.uint64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9,
                                     0x94D049BB133111EB))
 
 
+@functools.lru_cache(maxsize=64)
+def _round_keys(key):
+  return tuple(np.random.default_rng(list(key)).integers(0, 1 << 62, 4, np.uint64))
+
+
 def permute(index, n, key):
   """Images of `index` [k] under a pseudo-random permutation of [0, n) keyed by `key`.
 
@@ -544,7 +550,7 @@ def permute(index, n, key):
   bits = max(2, int(n - 1).bit_length())
   bits += bits & 1
   half, mask = np.uint64(bits // 2), np.uint64((1 << (bits // 2)) - 1)
-  keys = np.random.default_rng(list(key)).integers(0, 1 << 62, 4, np.uint64)
+  keys = _round_keys(tuple(key))
 
   def rounds(x):
     left, right = x >> half, x & mask
@@ -588,13 +594,25 @@ class PackedLMBatcher:
                       f"rows of block_size {block_size}, fewer than batch_size "
                       f"{batch_size}; use smaller batches or more text")
     self.steps_per_epoch = self.rows // batch_size
+    # Rows of the next steps, computed together (one permute call per ~64k tokens):
+    # a memo of the pure function, which training calls in step order.
+    self._block = max(1, (1 << 16) // (batch_size * block_size))
+    self._rows = (None, None)
+
+  def _rows_of(self, step):
+    epoch, i = divmod(step, self.steps_per_epoch)
+    first = i - i % self._block
+    if self._rows[0] != (epoch, first):
+      last = min(first + self._block, self.steps_per_epoch)
+      rows = permute(np.arange(first * self.batch_size, last * self.batch_size),
+                     self.rows, (self.seed, epoch))
+      self._rows = ((epoch, first), rows.reshape(-1, self.batch_size))
+    return self._rows[1][i - first]
 
   def batch_at(self, step):
     """The batch of `step`: dict of [batch_size, block_size] int32 arrays
     inputs, targets, segment_ids (from 1), positions (from 0)."""
-    epoch, i = divmod(step, self.steps_per_epoch)
-    rows = permute(np.arange(i * self.batch_size, (i + 1) * self.batch_size),
-                   self.rows, (self.seed, epoch))
+    rows = self._rows_of(step)
     starts, length = rows * self.block_size, self.block_size
 
     def read(lo, hi):

@@ -152,16 +152,19 @@ def encode_texts(tokenizer, texts, eos, dtype):
   EOS after each text when `eos`."""
   if hasattr(tokenizer, "encode_array"):  # char, byte: numpy per text
     parts = [tokenizer.encode_array(t) for t in texts]
-    lengths = np.fromiter(map(len, parts), np.int64, len(parts))
-    flat = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+    ids = np.concatenate(parts) if parts else np.zeros(0, np.int32)
   else:
-    ids = tokenizer.encode_batch(texts, num_threads=1)
-    lengths = np.fromiter(map(len, ids), np.int64, len(ids))
-    flat = np.fromiter(itertools.chain.from_iterable(ids), np.int64, int(lengths.sum()))
-  if eos:
-    flat = np.insert(flat, np.cumsum(lengths), tokenizer_lib.EOS_ID)
-    lengths = lengths + 1
-  return flat.astype(dtype), lengths
+    parts = tokenizer.encode_batch(texts, num_threads=1)
+    ids = np.fromiter(itertools.chain.from_iterable(parts), np.int64, sum(map(len, parts)))
+  lengths = np.fromiter(map(len, parts), np.int64, len(parts))
+  if not eos:
+    return ids.astype(dtype), lengths
+  lengths += 1
+  flat = np.full(int(lengths.sum()), tokenizer_lib.EOS_ID, dtype)
+  text = np.ones(len(flat), bool)
+  text[np.cumsum(lengths) - 1] = False  # each text's last slot holds its EOS
+  flat[text] = ids
+  return flat, lengths
 
 
 def _encode_chunk(tokenizer, columns, eos, dtype):

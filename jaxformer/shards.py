@@ -79,8 +79,10 @@ class _Shards:
       stem = shard_stem(data_dir, split, index)
       n, d = info["tokens"][field], info["docs"]
       # np.memmap cannot map an empty file; a shard of empty documents has no tokens.
-      self.tokens.append(np.memmap(token_path(stem, field), dtype, "r", shape=(n,)) if n else np.zeros(0, dtype))
-      self.offsets.append(np.memmap(offsets_path(stem, field), np.int64, "r", shape=(d + 1,)))
+      # Plain ndarray views of the maps (slicing a np.memmap subclass costs microseconds per call).
+      self.tokens.append(np.memmap(token_path(stem, field), dtype, "r", shape=(n,)).view(np.ndarray) if n
+                         else np.zeros(0, dtype))
+      self.offsets.append(np.memmap(offsets_path(stem, field), np.int64, "r", shape=(d + 1,)).view(np.ndarray))
       token_counts.append(n)
       doc_counts.append(d)
     self.token_starts = np.concatenate([[0], np.cumsum(token_counts, dtype=np.int64)])
@@ -107,11 +109,25 @@ class TokenStream(_Shards):
   def __len__(self):
     return self.num_tokens
 
+  def _locate(self, starts):
+    """(shard, start within the shard) of global positions, as Python ints."""
+    starts = np.asarray(starts, np.int64)
+    k = np.searchsorted(self.token_starts, starts, "right") - 1
+    return zip(k.tolist(), (starts - self.token_starts[k]).tolist())
+
   def take(self, starts, length):
-    """Rows of `length` consecutive tokens from each start: [len(starts), length] int32."""
+    """Rows of `length` consecutive tokens from each start: [len(starts), length] int32.
+
+    A row is one slice of a memory map (a copy of its pages), so a batch reads only its rows.
+    """
     out = np.empty((len(starts), length), np.int32)
-    for i, s in enumerate(np.asarray(starts, np.int64)):
-      out[i] = self.read(int(s), int(s) + length)
+    for i, (k, a) in enumerate(self._locate(starts)):
+      tokens = self.tokens[k]
+      if a + length <= len(tokens):
+        out[i] = tokens[a:a + length]
+      else:  # a row across a shard boundary
+        base = int(self.token_starts[k])
+        out[i] = self.read(base + a, base + a + length)
     return out
 
   def document_starts(self, start, stop):
@@ -121,18 +137,22 @@ class TokenStream(_Shards):
     while k < len(self.tokens) and self.token_starts[k] < stop:
       base = int(self.token_starts[k])
       offs = self.offsets[k]
-      lo = int(np.searchsorted(offs, start - base, "right"))
-      hi = int(np.searchsorted(offs, stop - base, "left"))
-      found.append(np.asarray(offs[lo:hi], np.int64) + base)
+      lo, hi = offs.searchsorted(start - base, "right"), offs.searchsorted(stop - base, "left")
+      found.append(offs[lo:hi] + base)
       k += 1
-    return np.concatenate(found) if found else np.zeros(0, np.int64)
+    return np.concatenate(found) if len(found) > 1 else found[0] if found else np.zeros(0, np.int64)
 
   def segments(self, starts, length):
     """Segment ids (from 1) and positions (from 0) of rows `take(starts, length)`: both restart
     at the row start and at every document start. Returns two [len(starts), length] int32."""
     new = np.zeros((len(starts), length), bool)
-    for i, s in enumerate(np.asarray(starts, np.int64)):
-      new[i, self.document_starts(int(s), int(s) + length) - s] = True
+    for i, (k, a) in enumerate(self._locate(starts)):
+      offs = self.offsets[k]  # a binary search of the row's ends in its shard's document offsets
+      if a + length <= len(self.tokens[k]):
+        new[i, offs[offs.searchsorted(a, "right"):offs.searchsorted(a + length, "left")] - a] = True
+      else:
+        base = int(self.token_starts[k])
+        new[i, self.document_starts(base + a, base + a + length) - base - a] = True
     new[:, 0] = False
     idx = np.broadcast_to(np.arange(length), new.shape)
     begin = np.maximum.accumulate(np.where(new, idx, 0), axis=1)
@@ -168,8 +188,17 @@ class RaggedShards(_Shards):
 
   def gather(self, idx, length):
     """Rows `idx` [B] as [B, length] int32, zero-padded on the right (truncated past `length`)."""
+    idx = np.asarray(idx, np.int64)
     out = np.zeros((len(idx), length), np.int32)
-    for row, i in enumerate(np.asarray(idx)):
-      seq = self[int(i)][:length]
-      out[row, :len(seq)] = seq
+    k = np.searchsorted(self.doc_starts, idx, "right") - 1
+    pos = np.arange(length)
+    for shard in np.unique(k):
+      rows = np.flatnonzero(k == shard)
+      tokens, offs = self.tokens[shard], self.offsets[shard]
+      if not len(tokens):
+        continue
+      j = idx[rows] - self.doc_starts[shard]
+      begin, end = np.asarray(offs[j]), np.asarray(offs[j + 1])
+      where = np.minimum(begin[:, None] + pos, len(tokens) - 1)
+      out[rows] = np.where(pos < (end - begin)[:, None], tokens[where], 0)
     return out

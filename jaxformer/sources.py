@@ -97,6 +97,15 @@ def lines(path):
       yield line.removesuffix("\n").removesuffix("\r")
 
 
+def check_not_empty(path):
+  """A one-line error for a file of whitespace only (reads up to its first non-blank block)."""
+  with _open_binary(path) as f:
+    for block in iter(lambda: f.read(1 << 20), b""):
+      if block.strip():
+        return path
+  raise UserError(f"{path}: file is empty")
+
+
 def normalize_document(text):
   """A whole file as one document, as LM training has always read it: lines joined by newlines,
   a final newline, no BOM, CRLF as LF (`"\\n".join(data.read_lines(path)) + "\\n"`)."""
@@ -181,6 +190,9 @@ def make_source(cfg):
     single = d.doc_per == "file" and len(files) == 1 and not _is_jsonl(files[0])
 
     def open_fn():
+      for path in files:
+        check_not_empty(path)
+
       def records(start):
         docs = (doc for f in files for doc in file_documents(f, d.doc_per, d.text_field))
         return itertools.islice(((doc,) for doc in docs), start, None)
@@ -249,6 +261,8 @@ def _translation_source(cfg):
       raise UserError("data.source=local needs data.train_src and data.train_tgt")
 
     def open_fn():
+      for path in (p for paths in pairs.values() for p in paths):
+        check_not_empty(path)
       return [(split, _parallel_reader(*paths)) for split, paths in pairs.items()]
     fingerprint = {"local": {s: _stat(p) for s, p in pairs.items()}}
     return Source(("src", "tgt"), fingerprint, f"{pairs['train'][0]} ...", open_fn, route, False, feeds)

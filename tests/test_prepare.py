@@ -429,3 +429,32 @@ def test_datasets_streaming_gives_the_same_shards_as_the_plain_reader(tmp_path, 
   assert a["splits"] == b["splits"] and a["eos"] == b["eos"] == (kind != "text-file")
   digest = lambda run: {k: v for k, v in _tree_digest(tmp_path / run / "data").items() if k != "manifest.json"}
   assert digest("plain") == digest("streamed")
+
+
+# ------------------------------------------------------------------- translation
+
+
+def test_translation_shards_and_batches_equal_the_in_memory_path(tmp_path):
+  """The memory-mapped ragged arrays give today's batches: the same joint tokenizer (its sample is
+  every pair, in order, when the corpus is smaller than data.tokenizer_sample_docs), ids and buckets."""
+  cfg = config_lib.load_config("tiny_encdec", ["data.synthetic_size=600", "data.num_proc=1"])
+  task = tasks.TranslationTask(cfg, str(tmp_path / "run"), batch_multiple=2, log=QUIET)
+  splits = sources.load_translation_splits(cfg)
+  ref_path = str(tmp_path / "ref.model")
+  ref_tok = tokenizer_lib.load_or_train_tokenizer("sentencepiece", ref_path, [*splits["train"][0],
+                                                                              *splits["train"][1]], 64)
+  pieces = lambda tok: [tok.sp.id_to_piece(i) for i in range(tok.vocab_size)]
+  assert pieces(task.tokenizer) == pieces(ref_tok)
+  names = ["train", "dev", "test"]
+  ref = data.tokenize_corpus(ref_path, [t for n in names for t in splits[n]], None, num_proc=1)
+  for i, name in enumerate(names):
+    for side, want in zip(task.ids[name], ref[2 * i:2 * i + 2]):
+      np.testing.assert_array_equal(side.lengths, want.lengths)
+      idx = np.arange(len(want))
+      np.testing.assert_array_equal(side.gather(idx, 40), want.gather(idx, 40))
+  kept, _ = data.filter_pairs(*ref[:2], cfg.data.max_len)
+  old = data.Batcher(*ref[:2], cfg.data.tokens_per_batch, cfg.data.max_len, seed=cfg.train.seed,
+                     batch_multiple=2, indices=kept)
+  for step in (0, 1, old.steps_per_epoch + 3):
+    jax.tree.map(np.testing.assert_array_equal, task.train_batch(step), old.batch_at(step))
+  assert task.splits["dev"] == splits["dev"] and "train" not in task.splits  # BLEU's text; train stays on disk
