@@ -15,7 +15,7 @@ them); everything there is deleted at the end unless --keep. Steps, all in one r
 3. The byte tokenizer on the big corpus: the same comparison, and the same memory figures.
 4. Training (`train.py --config gpt2_tiny`, bytes) from the big and from the small corpus's
    shards, random windows and packed rows: peak RSS, and anonymous vs file-backed RSS at the end.
-5. The input pipeline from the big corpus's memory-mapped shards: tokens/s of batches.
+5. The input pipeline from the big corpus's shards: tokens/s of batches (and from memory).
 6. kill -9 of `python -m jaxformer.prepare` on the big corpus after its 3rd shard, the same
    command again, and the sha256 of every file against the uninterrupted run's.
 """
@@ -143,6 +143,11 @@ def raw_speed(corpus, tokenizer, threads, max_bytes=None):
   return n_bytes / seconds / 1e6, n_tokens / seconds
 
 
+def load():
+  """The 1-minute load average: other jobs on the machine (2 cores) slow every figure."""
+  return f"load average {os.getloadavg()[0]:.1f}"
+
+
 def compare(label, corpus, kind, data_dir, num_proc, raw_bytes=None):
   """prepare's throughput and memory next to the tokenizer's raw speed."""
   args = data_args(corpus, kind, data_dir, num_proc)
@@ -157,7 +162,7 @@ def compare(label, corpus, kind, data_dir, num_proc, raw_bytes=None):
   mb = os.path.getsize(corpus) / 1e6
   tok = tokenizer_lib.load_tokenizer(manifest["tokenizer"]["path"])
   raw_mb, raw_tok = raw_speed(corpus, tok, num_proc, raw_bytes)
-  print(f"{label}: {mb:,.0f} MB, {tokens:,} tokens ({kind}), data.num_proc={num_proc}")
+  print(f"{label}: {mb:,.0f} MB, {tokens:,} tokens ({kind}), data.num_proc={num_proc}; {load()}")
   print(f"  prepare: {dt:.1f} s (process start included) = {mb / dt:.2f} MB/s, {tokens / dt / 1e6:.2f}M tokens/s; "
         f"the tokenizer alone from memory on {num_proc} threads: {raw_mb:.2f} MB/s, {raw_tok / 1e6:.2f}M tokens/s "
         f"-> raw / prepare = {raw_mb / (mb / dt):.2f}x")
@@ -173,19 +178,19 @@ def train_rss(label, args, workdir, packing):
       "train.checkpoint_every=1000", "train.steps_per_call=1"]
   dt, rss, _ = run_python(TRAIN, train_args, env={"JAXFORMER_COMPILATION_CACHE": "off"})
   shutil.rmtree(workdir, ignore_errors=True)
-  print(f"  train ({label}, {packing}, 200 steps, {dt:.0f} s): peak RSS {rss['peak'] / 1024:.0f} MiB; at the end "
+  print(f"  train ({label}, {packing}, 200 steps, {dt:.0f} s, {load()}): peak RSS {rss['peak'] / 1024:.0f} MiB; at the end "
         f"{rss['anon'] / 1024:.0f} MiB anonymous + {rss['file'] / 1024:.0f} MiB file-backed")
   return rss
 
 
 def pipeline(data_dir, steps):
-  """tokens/s of batches from the memory-mapped shards, and from an in-memory array (the first
+  """tokens/s of batches from the shards on disk, and from an in-memory array (the first
   20M tokens, as the LM task held its whole stream before shards) for comparison."""
   stream = shards.TokenStream(data_dir, "train", "text")
   in_memory = stream.read(0, min(len(stream), 20_000_000))
-  batchers = (("random windows, memory-mapped", lambda L, B: data_lib.LMBatcher(stream, L, B)),
+  batchers = (("random windows, from shards", lambda L, B: data_lib.LMBatcher(stream, L, B)),
               ("random windows, in memory", lambda L, B: data_lib.LMBatcher(in_memory, L, B)),
-              ("packed rows, memory-mapped", lambda L, B: data_lib.PackedLMBatcher(stream, L, B)))
+              ("packed rows, from shards", lambda L, B: data_lib.PackedLMBatcher(stream, L, B)))
   for batch, block in ((12, 64), (64, 256), (480, 1024)):
     for name, make in batchers:
       b = make(block, batch)
@@ -209,7 +214,7 @@ def kill_and_resume(args, data_dir, clean):
   proc.send_signal(signal.SIGKILL)
   code = proc.wait()
   on_disk = sorted(os.listdir(os.path.join(data_dir, "train")))
-  print(f"  kill -9 after shard 3: exit {code}; left {len(on_disk)} files in train/ "
+  print(f"  kill -9 after shard 3 ({load()}): exit {code}; left {len(on_disk)} files in train/ "
         f"({sum(n.endswith('.tmp') for n in on_disk)} temporary)")
   t = time.perf_counter()
   out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True).stdout
@@ -249,12 +254,14 @@ def main(argv=None):
     big_args = compare("big corpus, bytes", big, "byte", os.path.join(scratch, "big-byte"), args.num_proc,
                        raw_bytes=int(2e8))
     clean = digest(os.path.join(scratch, "big-byte"))
-    print("training memory, big against small corpus (the same model and steps):")
+    print("training memory, big against small corpus (the same model and steps; two rounds):")
     for packing in ("random_windows", "packed"):
-      a = train_rss("small", small_args, os.path.join(scratch, "run"), packing)
-      b = train_rss("big", big_args, os.path.join(scratch, "run"), packing)
-      print(f"  -> big / small peak RSS: {b['peak'] / a['peak']:.3f}")
-    print("input pipeline from the big corpus's memory-mapped shards:")
+      for _ in range(2):
+        a = train_rss("small", small_args, os.path.join(scratch, "run"), packing)
+        b = train_rss("big", big_args, os.path.join(scratch, "run"), packing)
+        print(f"  -> big / small: peak RSS {b['peak'] / a['peak']:.3f}, anonymous RSS at the end "
+              f"{b['anon'] / a['anon']:.3f}")
+    print(f"input pipeline from the big corpus's shards ({load()}):")
     pipeline(os.path.join(scratch, "big-byte"), args.steps)
     kill_and_resume(big_args, os.path.join(scratch, "big-byte"), clean)
   finally:

@@ -1,4 +1,4 @@
-"""Data pipeline: parallel text, cached tokenization, static-shape batches.
+"""Data pipeline: parallel text, tokenization, static-shape batches.
 
 Translation batches follow the paper: pairs are grouped by length into a few
 fixed bucket lengths and each batch holds about `tokens_per_batch` source and
@@ -7,7 +7,10 @@ compiles once per bucket. Batches are a pure function of (seed, epoch), so a
 run resumes at any step with the same data order and no iterator state.
 
 Language-model batches are nanoGPT-style random windows of one token stream,
-seeded by (seed, step) for the same reason.
+seeded by (seed, step) for the same reason, or packed rows (consecutive
+windows in a seeded shuffled order per epoch). Streams and ragged arrays may be
+memory-mapped shards (`jaxformer.shards`): a batch reads only its rows, and
+only this process's rows (`row_range`).
 """
 
 import functools

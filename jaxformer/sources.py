@@ -79,22 +79,40 @@ def _open_binary(path):
   return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
 
 
-def _decode(raw, path, line):
+def _decode(raw, path, first_line):
+  """`raw` as UTF-8, or a one-line error naming the line (`first_line` is raw's first line's number)."""
   try:
     return raw.decode("utf-8")
   except UnicodeDecodeError as e:
-    where = line if line else raw.count(b"\n", 0, e.start) + 1
-    raise UserError(f"{path}:{where}: not valid UTF-8 (byte {e.start}); convert the file to UTF-8") from None
+    line = first_line + raw.count(b"\n", 0, e.start)
+    raise UserError(f"{path}:{line}: not valid UTF-8 (byte {e.start}); convert the file to UTF-8") from None
 
 
-def lines(path):
-  """Yields the lines of a text file as `data.read_lines` splits them, without reading it whole."""
+def lines(path, block_size=1 << 20):
+  """Yields the lines of a text file as `data.read_lines` splits them (on "\n" only, a final
+  "\r" dropped, no BOM), reading and decoding a block of lines at a time."""
   with _open_binary(path) as f:
-    for n, raw in enumerate(f, 1):
-      line = _decode(raw, path, n)
-      if n == 1:
-        line = line.removeprefix("\ufeff")
-      yield line.removesuffix("\n").removesuffix("\r")
+    number, rest, first = 1, b"", True
+    while True:
+      block = f.read(block_size)
+      data = rest + block
+      cut = len(data) if not block else data.rfind(b"\n") + 1  # whole lines, the last one at the end
+      if not cut:
+        if not block:
+          return
+        rest = data
+        continue
+      data, rest = data[:cut], data[cut:]
+      text = _decode(data, path, number)
+      if first:
+        text, first = text.removeprefix("\ufeff"), False
+      parts = text.split("\n")
+      if parts[-1] == "":
+        parts.pop()
+      number += len(parts)
+      yield from (p.removesuffix("\r") for p in parts) if "\r" in text else parts
+      if not block:
+        return
 
 
 def check_not_empty(path):
@@ -129,7 +147,7 @@ def file_documents(path, doc_per, text_field):
     yield from lines(path)
   else:
     with _open_binary(path) as f:
-      yield normalize_document(_decode(f.read(), path, 0))
+      yield normalize_document(_decode(f.read(), path, 1))
 
 
 def _field(row, name, where):

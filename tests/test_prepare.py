@@ -97,6 +97,19 @@ def test_shards_and_manifest_equal_in_memory_tokenization(tmp_path, kind):
     assert not row[len(want):].any()
 
 
+@pytest.mark.parametrize("content", [b"a", b"a\n", b"a\n\nb\n\n", b"\xef\xbb\xbfa\r\nb\rc\n\nd", b"x\n" * 5 + b"yyy",
+                                     "gr\u00fc\u00dfe\n\u00df\u2028x\n".encode()])
+def test_streamed_lines_are_read_lines(tmp_path, content):
+  """Lines read a block at a time split exactly as data.read_lines (on "\\n" only), whatever the block size."""
+  (tmp_path / "f.txt").write_bytes(content)
+  for block_size in (1, 2, 3, 7, 1 << 20):
+    assert list(sources.lines(str(tmp_path / "f.txt"), block_size)) == data.read_lines(tmp_path / "f.txt")
+  (tmp_path / "bad.txt").write_bytes(b"ok\nfine\ngr\xfc\xdfe\nx\n")
+  for block_size in (1, 4, 1 << 20):
+    with pytest.raises(UserError, match=r"bad\.txt:3: not valid UTF-8"):
+      list(sources.lines(str(tmp_path / "bad.txt"), block_size))
+
+
 def test_uint32_when_the_vocabulary_needs_it():
   assert shards.token_dtype(65536) == np.uint16 and shards.token_dtype(65537) == np.uint32
 
@@ -210,7 +223,7 @@ def packed_task(tmp_path_factory):
 def test_packed_rows_restart_segments_at_document_boundaries(packed_task):
   task, cfg = packed_task
   stream, L = task.train_stream, 16
-  assert len(stream.tokens) > 2  # rows cross shard boundaries too
+  assert len(stream.paths) > 2  # rows cross shard boundaries too
   doc_of = np.repeat(np.arange(stream.num_docs), np.concatenate([np.diff(np.asarray(o)) for o in stream.offsets]))
   rows_seen = []
   for step in range(task.train.steps_per_epoch):
@@ -458,3 +471,10 @@ def test_translation_shards_and_batches_equal_the_in_memory_path(tmp_path):
   for step in (0, 1, old.steps_per_epoch + 3):
     jax.tree.map(np.testing.assert_array_equal, task.train_batch(step), old.batch_at(step))
   assert task.splits["dev"] == splits["dev"] and "train" not in task.splits  # BLEU's text; train stays on disk
+
+
+def test_one_process_reads_every_row():
+  from jaxformer import sharding  # pylint: disable=g-import-not-at-top
+  part = sharding.batch_part(sharding.batch_sharding(sharding.make_mesh(config_lib.MeshConfig())))
+  assert part == (0, jax.device_count(), jax.device_count()) and data.row_range(8, part) == (0, 8)
+  assert data.row_range(8, (1, 3, 4)) == (2, 6)
