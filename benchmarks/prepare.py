@@ -41,13 +41,16 @@ from jaxformer import tokenizer as tokenizer_lib
 DEFAULT_DATA = os.environ.get("JAXFORMER_DATA", os.path.join(ROOT, "..", "shared", "data"))
 SOURCES = ("tinyshakespeare/input.txt", "multi30k/train.en", "multi30k/train.de", "wmt14/train_sample.en",
            "wmt14/train_sample.de", "wikitext2/wiki.test.raw", "wikitext2/wiki.valid.tokens")
-# prepare.main, then its own peak RSS and that of its largest worker (a waited-for child), in KiB.
+# prepare.main, then its own peak RSS (VmHWM: ru_maxrss would also count the image of the process
+# that spawned it, which Linux carries over exec) and that of its largest worker (an upper bound:
+# a waited-for child's ru_maxrss, its parent's image at the spawn included), in KiB.
 PREPARE = """
 import json, resource, sys
 from jaxformer import prepare
 prepare.main(sys.argv[1:])
-r = resource.getrusage
-print("RSS " + json.dumps({"main": r(resource.RUSAGE_SELF).ru_maxrss, "worker": r(resource.RUSAGE_CHILDREN).ru_maxrss}))
+status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+print("RSS " + json.dumps({"main": int(status["VmHWM"].split()[0]),
+                           "worker": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))
 """
 # The tokenizer alone (argv: config, overrides..., path).
 TOKENIZER = """
@@ -58,15 +61,14 @@ source = sources.make_source(cfg)
 prepare.train_tokenizer(cfg, source, source.open(), sys.argv[-1], log=lambda *a: None)
 print("RSS {}")
 """
-# train.main, then its peak RSS and its anonymous and file-backed RSS at the end, in KiB.
+# train.main, then its peak RSS (VmHWM) and its anonymous and file-backed RSS at the end, in KiB.
 TRAIN = """
-import json, resource, sys
+import json, sys
 from jaxformer import train
-train.main(sys.argv[1:])
+result = train.main(sys.argv[1:])
 status = dict(line.split(":", 1) for line in open("/proc/self/status"))
 kib = lambda k: int(status[k].split()[0])
-print("RSS " + json.dumps({"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "anon": kib("RssAnon"),
-                           "file": kib("RssFile")}))
+print("RSS " + json.dumps({"peak": kib("VmHWM"), "anon": kib("RssAnon"), "file": kib("RssFile")}))
 """
 
 
@@ -150,6 +152,7 @@ def load():
 
 def compare(label, corpus, kind, data_dir, num_proc, raw_bytes=None):
   """prepare's throughput and memory next to the tokenizer's raw speed."""
+  shutil.rmtree(data_dir, ignore_errors=True)  # from scratch (a corpus is only made once)
   args = data_args(corpus, kind, data_dir, num_proc)
   if kind == "sentencepiece":  # the tokenizer first, timed apart: prepare then only tokenizes
     path = data_dir + "-tokenizer.model"

@@ -597,30 +597,36 @@ class PackedLMBatcher:
                       f"rows of block_size {block_size}, fewer than batch_size "
                       f"{batch_size}; use smaller batches or more text")
     self.steps_per_epoch = self.rows // batch_size
-    # Rows of the next steps, computed together (one permute call per ~64k tokens):
-    # a memo of the pure function, which training calls in step order.
+    # The row order and this process's segment ids of the next steps, computed together
+    # (~64k tokens at a time): a memo of the pure function, which training calls in order.
     self._block = max(1, (1 << 16) // (batch_size * block_size))
-    self._rows = (None, None)
+    self._memo = (None,)
 
-  def _rows_of(self, step):
+  def _plan(self, step):
+    """(rows [batch_size], segment_ids, positions [own rows, block_size]) of `step`."""
     epoch, i = divmod(step, self.steps_per_epoch)
     first = i - i % self._block
-    if self._rows[0] != (epoch, first):
+    if self._memo[0] != (epoch, first, self.part):
       last = min(first + self._block, self.steps_per_epoch)
       rows = permute(np.arange(first * self.batch_size, last * self.batch_size),
-                     self.rows, (self.seed, epoch))
-      self._rows = ((epoch, first), rows.reshape(-1, self.batch_size))
-    return self._rows[1][i - first]
+                     self.rows, (self.seed, epoch)).reshape(-1, self.batch_size)
+      lo, hi = row_range(self.batch_size, self.part)
+      segment_ids, positions = self.stream.segments(
+          rows[:, lo:hi].ravel() * self.block_size, self.block_size)
+      shape = (len(rows), hi - lo, self.block_size)
+      self._memo = ((epoch, first, self.part), rows, segment_ids.reshape(shape),
+                    positions.reshape(shape))
+    j = i - first
+    return self._memo[1][j], self._memo[2][j], self._memo[3][j]
 
   def batch_at(self, step):
     """The batch of `step`: dict of [batch_size, block_size] int32 arrays
     inputs, targets, segment_ids (from 1), positions (from 0)."""
-    rows = self._rows_of(step)
+    rows, segment_ids, positions = self._plan(step)
     starts, length = rows * self.block_size, self.block_size
 
     def read(lo, hi):
       w = self.stream.take(starts[lo:hi], length + 1)
-      segment_ids, positions = self.stream.segments(starts[lo:hi], length)
       return np.stack([w[:, :-1], w[:, 1:], segment_ids, positions], axis=1)
 
     out = _own_rows(read, self.batch_size, self.part, (4, length))

@@ -175,19 +175,26 @@ class TokenStream(_Shards):
 
   def segments(self, starts, length):
     """Segment ids (from 1) and positions (from 0) of rows `take(starts, length)`: both restart
-    at the row start and at every document start. Returns two [len(starts), length] int32."""
+    at the row start and at every document start. Returns two [len(starts), length] int32.
+
+    Vectorized per shard: one binary search of all its rows' ends in its document offsets.
+    """
+    starts = np.asarray(starts, np.int64)
     new = np.zeros((len(starts), length), bool)
-    shards = set()
-    for i, (k, a) in enumerate(self._locate(starts)):
-      offs = self.offsets[k]  # a binary search of the row's ends in its shard's document offsets
-      shards.add(k)
-      if a + length <= self.token_counts[k]:
-        lo, hi = offs.searchsorted((a + 1, a + length))  # the documents starting inside the row
-        new[i, offs[lo:hi] - a] = True
-      else:
-        base = int(self.token_starts[k])
-        new[i, self.document_starts(base + a, base + a + length) - base - a] = True
-    self._release(shards, len(starts))
+    k = np.searchsorted(self.token_starts, starts, "right") - 1
+    local = starts - self.token_starts[k]
+    inside = local + length <= np.asarray(self.token_counts, np.int64)[k]
+    for shard in np.unique(k[inside]).tolist():
+      rows = np.flatnonzero(inside & (k == shard))
+      offs, a = self.offsets[shard], local[rows]
+      lo, hi = offs.searchsorted(a + 1), offs.searchsorted(a + length)  # documents starting inside
+      count = hi - lo
+      row = np.repeat(np.arange(len(rows)), count)
+      doc = np.repeat(lo - np.cumsum(count) + count, count) + np.arange(count.sum())
+      new[rows[row], offs[doc] - a[row]] = True
+    for r in np.flatnonzero(~inside).tolist():  # rows across a shard boundary
+      new[r, self.document_starts(int(starts[r]), int(starts[r]) + length) - starts[r]] = True
+    self._release(np.unique(k).tolist(), len(starts))
     new[:, 0] = False
     idx = np.broadcast_to(np.arange(length), new.shape)
     begin = np.maximum.accumulate(np.where(new, idx, 0), axis=1)
