@@ -489,8 +489,7 @@ def prepare(cfg, workdir, log=print, source=None):
     splits = sorted({s for name, _ in streams for s in source.feeds[name]})
     writers = {s: _Writer(ddir, s, source.fields, header["dtype"], d.shard_tokens,
                           keep_text=d.task == "lm" and s == "val") for s in splits}
-    resumed = {s: w.skip_below for s, w in writers.items() if w.markers}
-    if resumed:
+    if any(w.markers for w in writers.values()):
       log(f"prepare: resuming {ddir} after {sum(len(w.markers) for w in writers.values())} complete shards")
     t, stats = time.perf_counter(), {"chars": 0, "tokens": 0, "logged": time.perf_counter()}
     items = _items(source, streams, writers)

@@ -316,7 +316,6 @@ def _parallel_reader(src_path, tgt_path):
   """records(start): aligned lines of two files, streamed; a length mismatch is an error at the end."""
   def records(start):
     src, tgt = lines(src_path), lines(tgt_path)
-    n = 0
     for n, pair in enumerate(itertools.zip_longest(src, tgt), 1):
       if pair[0] is None or pair[1] is None:
         ns = n - 1 + (pair[0] is not None) + sum(1 for _ in src)
