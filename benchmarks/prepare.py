@@ -15,7 +15,8 @@ them); everything there is deleted at the end unless --keep. Steps, all in one r
 3. The byte tokenizer on the big corpus: the same comparison, and the same memory figures.
 4. Training (`train.py --config gpt2_tiny`, bytes) from the big and from the small corpus's
    shards, random windows and packed rows: peak RSS, and anonymous vs file-backed RSS at the end.
-5. The input pipeline from the big corpus's shards: tokens/s of batches (and from memory).
+5. The input pipeline from the big corpus's shards: tokens/s of batches (and from memory);
+   random windows read through memory maps against positional reads (time, RSS).
 6. kill -9 of `python -m jaxformer.prepare` on the big corpus after its 3rd shard, the same
    command again, and the sha256 of every file against the uninterrupted run's.
 """
@@ -207,6 +208,28 @@ def pipeline(data_dir, steps):
       print(f"  {batch} x {block}, {name}: {sorted(rates)[1] / 1e6:.1f}M tokens/s (median of 3 x {steps} batches)")
 
 
+def read_methods(data_dir, windows=3000, length=33):
+  """Random windows through memory maps of the shard files against positional reads (os.pread):
+  microseconds per window and the growth of this process's file-backed RSS."""
+  import mmap  # pylint: disable=g-import-not-at-top
+  rss_file = lambda: int(dict(l.split(":", 1) for l in open("/proc/self/status"))["RssFile"].split()[0]) // 1024
+  stream = shards.TokenStream(data_dir, "train", "text")
+  rng = np.random.default_rng(0)
+  picks = [(k, int(rng.integers(0, stream.token_counts[k] - length)))
+           for k in rng.integers(0, len(stream.paths), windows).tolist()]
+  maps = []
+  for path in stream.paths:
+    with open(path, "rb") as f:
+      maps.append(np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), stream.dtype))
+  for name, read in (("memory map", lambda k, a: np.array(maps[k][a:a + length])),
+                     ("os.pread", lambda k, a: stream._pread(k, a, a + length))):  # pylint: disable=protected-access
+    before, t = rss_file(), time.perf_counter()
+    for k, a in picks:
+      read(k, a)
+    print(f"  {windows} random {length}-token windows by {name}: {1e6 * (time.perf_counter() - t) / windows:.1f} us "
+          f"each, file-backed RSS +{rss_file() - before} MiB")
+
+
 def kill_and_resume(args, data_dir, clean):
   shutil.rmtree(data_dir)
   cmd = [sys.executable, "-m", "jaxformer.prepare", *args]
@@ -266,6 +289,8 @@ def main(argv=None):
               f"{b['anon'] / a['anon']:.3f}")
     print(f"input pipeline from the big corpus's shards ({load()}):")
     pipeline(os.path.join(scratch, "big-byte"), args.steps)
+    print(f"reading rows from the big corpus's shards ({load()}):")
+    read_methods(os.path.join(scratch, "big-byte"))
     kill_and_resume(big_args, os.path.join(scratch, "big-byte"), clean)
   finally:
     if not args.keep:
