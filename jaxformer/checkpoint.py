@@ -204,6 +204,12 @@ class Checkpointer:
                            args=ocp.args.JsonRestore())
     return state["params"], dict(meta or {})
 
+  def stored_paths(self, step=None):
+    """The paths ('params/decoder/layer_0/...') of what `step` (default: latest) holds."""
+    step = self._resolve_step(step)
+    stored = ocp.StandardCheckpointHandler().metadata(epath.Path(self.directory) / str(step) / "state")
+    return [_path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(stored.tree)]
+
   def wait(self):
     """Blocks until pending asynchronous saves are on disk."""
     self._mgr.wait_until_finished()

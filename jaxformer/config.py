@@ -24,6 +24,9 @@ class ModelConfig:
   """Architecture. Defaults are the paper's base model (Vaswani et al. 2017)."""
   arch: str = "encoder_decoder"     # encoder_decoder | decoder_only
   vocab_size: int = 37000
+  pad_id: int = 0                   # padding: masks default to `ids != pad_id` (Marian: pad 58100)
+  bos_id: int = 1                   # BOS / decoder start token (Marian: the pad token)
+  eos_id: int = 2                   # end of sequence (Marian: 0)
   d_model: int = 512
   num_heads: int = 8
   num_kv_heads: int | None = None   # None -> num_heads (MHA); 1 -> MQA; else GQA
@@ -31,20 +34,29 @@ class ModelConfig:
   num_layers: int = 6               # decoder layers (and encoder layers by default)
   num_encoder_layers: int | None = None
   d_ff: int = 2048
-  activation: str = "relu"          # relu | gelu (tanh approx.) | gelu_exact (erf) | swiglu
+  activation: str = "relu"          # relu | gelu (tanh approx.) | gelu_exact (erf) | silu (= swish: OPUS-MT) | swiglu
   norm: str = "layernorm"           # layernorm | rmsnorm
   norm_position: str = "post"       # post (paper) | pre
   norm_eps: float = 1e-6
   use_bias: bool = True             # biases in attention and FFN projections
   position: str = "sinusoidal"      # sinusoidal | learned | rope | alibi | none
-  sinusoidal_layout: str = "interleaved"  # interleaved (paper: sin at 2i, cos at 2i+1) | concat (tensor2tensor)
+  sinusoidal_layout: str = "interleaved"  # interleaved (paper: sin 2i, cos 2i+1) | concat (tensor2tensor) | marian
   max_len: int = 1024               # learned-position table size
   rope_theta: float = 10000.0
   rope_scaling: str = "none"        # none | ntk | yarn | llama3
   rope_scaling_factor: float = 1.0
   rope_original_max_len: int = 8192
+  rope_beta_fast: float = 32.0      # yarn: dims turning more often than this over the original length are kept
+  rope_beta_slow: float = 1.0       # yarn: dims turning less often than this are interpolated by the factor
+  rope_truncate: bool = True        # yarn: round the ramp's ends to whole dims (HF `truncate`)
+  rope_attention_factor: float | None = None  # yarn: cos/sin scale; None -> 0.1 ln(s) + 1 (or the mscale ratio)
+  rope_mscale: float = 0.0          # yarn: with rope_mscale_all_dim, the factor is m(s, mscale) / m(s, mscale_all_dim)
+  rope_mscale_all_dim: float = 0.0
+  rope_low_freq_factor: float = 1.0   # llama3: wavelengths above original_max_len / this are interpolated
+  rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original_max_len / this are kept
   share_embeddings: bool = True     # encoder input and decoder input share one table
   tie_output: bool = True           # output projection = embedding transposed
+  logits_bias: bool = False         # a trained bias [vocab] added to the logits (Marian's final_logits_bias)
   scale_embeddings: bool = True     # multiply embeddings by sqrt(d_model) (paper)
   kernel_init: str = "xavier_uniform"  # xavier_uniform | normal (std init_std)
   init_std: float = 0.02
@@ -53,6 +65,9 @@ class ModelConfig:
   dtype: str = "float32"            # compute dtype; parameters stay float32
   matmul_dtype: str = "float32"     # bfloat16: products on bf16 operands, f32 accumulation (CPU/TPU path)
   attention_impl: str = "auto"      # auto | xla | cudnn | einsum
+  scan_layers: bool = False         # the blocks of each stack under nn.scan, params stacked on a `layers` axis
+  remat: str = "none"               # none | full | dots_saveable | dots_with_no_batch_dims_saveable (per block)
+  logits_chunk: int = 0             # > 0: output projection + loss over this many tokens at a time; 0: automatic
 
   @property
   def kv_heads(self) -> int:
@@ -91,9 +106,10 @@ class DataConfig:
   streaming: bool = True            # hub: stream rows (datasets streaming=True) instead of downloading first
   train_fraction: float = 0.9       # lm: one document: its first fraction of characters trains (nanoGPT);
                                     # several: a seeded random fraction of documents (unless a val split exists)
-  tokenizer: str = "sentencepiece"  # sentencepiece | char | byte
-  tokenizer_path: str = ""          # "" -> <data_dir or workdir>/tokenizer.model
+  tokenizer: str = "sentencepiece"  # sentencepiece | char | byte | hf (tokenizer.json) | marian (converted models)
+  tokenizer_path: str = ""          # "" -> <data_dir or workdir>/tokenizer.model (spm) or .json (char, hf, marian)
   tokenizer_sample_docs: int = 500000  # sentencepiece trains on a seeded random sample of this many documents
+  add_bos: bool = False             # lm: BOS before each document and prompt (Llama's convention)
   data_dir: str = ""                # prepared token shards (python -m jaxformer.prepare); "" -> <workdir>/data
   shard_tokens: int = 100_000_000   # a shard closes at the first document boundary past this many tokens
   packing: str = "random_windows"   # lm: random_windows (nanoGPT) | packed (consecutive rows, shuffled order)
@@ -134,6 +150,7 @@ class TrainConfig:
   checkpoint_every: int = 1000
   keep_checkpoints: int = 20        # the paper averages the last 5 (base) / 20 (big)
   seed: int = 0
+  init_from: str = ""               # a workdir (e.g. from jaxformer.convert): start from its params, fresh optimizer
   nan_policy: str = "skip"          # skip | stop
   steps_per_call: int = 1           # lm: steps fused into one jitted lax.scan (same result, less per-call cost)
   max_minutes: float = 0.0          # stop (with a checkpoint) after this much training time; 0 = no limit
@@ -155,12 +172,18 @@ class DecodeConfig:
   """Beam search and sampling (paper: beam 4, alpha 0.6, max = source + 50)."""
   beam_size: int = 4
   alpha: float = 0.6
+  length_penalty: str = "gnmt"      # gnmt: logp / ((5 + len) / 6)^alpha (paper) | hf: logp / len^alpha, HF's beam rules
+  hf_early_stopping: str = "false"  # length_penalty=hf: HF's early_stopping, false (its heuristic) | true | never
+  suppress_pad: bool = False        # never generate the pad id (Marian's generation_config bans it)
   max_extra_len: int = 50
   batch_size: int = 64
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
   max_new_tokens: int = 256
+  # KV-cache slots per row a sample may use (prefix + prompt + new tokens - 1) with RoPE, ALiBi,
+  # sinusoidal or no positions; learned positions never need more than model.max_len (they slide).
+  max_cache_len: int = 8192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,20 +274,24 @@ def apply_override(cfg, override):
 
 
 def load_config(name_or_path, overrides=()):
-  """Loads a recipe by name (`configs/<name>.py`) or path, then applies overrides."""
+  """Loads a recipe by name (`configs/<name>.py`), a `.py` path or a run's `config.json`, then applies overrides."""
   path = pathlib.Path(name_or_path)
-  if path.suffix == ".py":
-    if not path.exists():
-      raise UserError(f"config file {name_or_path} not found")
-    spec = importlib.util.spec_from_file_location(f"jaxformer_config_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-  elif name_or_path in available_configs():
-    module = importlib.import_module(f"jaxformer.configs.{name_or_path}")
+  if path.suffix in (".py", ".json") and not path.exists():
+    raise UserError(f"config file {name_or_path} not found")
+  if path.suffix == ".json":  # a workdir's saved config, e.g. one written by jaxformer.convert
+    with open(path) as f:
+      cfg = from_dict(json.load(f))
   else:
-    raise UserError(f"unknown config {name_or_path!r}{closest(str(name_or_path), available_configs())};"
-                    f" available: {', '.join(available_configs())}")
-  cfg = module.get_config()
+    if path.suffix == ".py":
+      spec = importlib.util.spec_from_file_location(f"jaxformer_config_{path.stem}", path)
+      module = importlib.util.module_from_spec(spec)
+      spec.loader.exec_module(module)
+    elif name_or_path in available_configs():
+      module = importlib.import_module(f"jaxformer.configs.{name_or_path}")
+    else:
+      raise UserError(f"unknown config {name_or_path!r}{closest(str(name_or_path), available_configs())};"
+                      f" available: {', '.join(available_configs())}")
+    cfg = module.get_config()
   for override in overrides:
     cfg = apply_override(cfg, override)
   _validate(cfg)
@@ -274,20 +301,28 @@ def load_config(name_or_path, overrides=()):
 def _validate(cfg):
   """Catches combinations that would otherwise fail deep inside jit."""
   m = cfg.model
-  choices = {"arch": ("encoder_decoder", "decoder_only"), "activation": ("relu", "gelu", "gelu_exact", "swiglu"),
+  choices = {"arch": ("encoder_decoder", "decoder_only"),
+             "activation": ("relu", "gelu", "gelu_exact", "silu", "swiglu"),
              "norm": ("layernorm", "rmsnorm"), "norm_position": ("post", "pre"),
              "position": ("sinusoidal", "learned", "rope", "alibi", "none"),
              "rope_scaling": ("none", "ntk", "yarn", "llama3"), "dtype": ("float32", "bfloat16"),
              "matmul_dtype": ("float32", "bfloat16"),
-             "attention_impl": ("auto", "xla", "cudnn", "einsum"), "sinusoidal_layout": ("interleaved", "concat"),
-             "kernel_init": ("xavier_uniform", "normal")}
+             "attention_impl": ("auto", "xla", "cudnn", "einsum"),
+             "sinusoidal_layout": ("interleaved", "concat", "marian"),
+             "kernel_init": ("xavier_uniform", "normal"),
+             "remat": ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")}
   for field, allowed in choices.items():
     if getattr(m, field) not in allowed:
       raise UserError(f"model.{field}={getattr(m, field)!r}: choose one of {', '.join(allowed)}")
+  for name in ("pad_id", "bos_id", "eos_id"):
+    if not 0 <= getattr(m, name) < m.vocab_size:
+      raise UserError(f"model.{name}={getattr(m, name)} is not a token id of model.vocab_size={m.vocab_size}")
   if m.num_heads % m.kv_heads:
     raise UserError(f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.kv_heads}")
   if m.head_dim is None and m.d_model % m.num_heads:
     raise UserError(f"model.d_model={m.d_model} must be divisible by model.num_heads={m.num_heads} (or set model.head_dim)")
+  if m.logits_chunk < 0:
+    raise UserError(f"model.logits_chunk={m.logits_chunk} must be >= 0 (0: automatic, see README)")
   if cfg.data.task not in ("translation", "lm"):
     raise UserError(f"data.task={cfg.data.task!r}: choose translation or lm")
   for field, allowed in (("doc_per", ("file", "line")), ("packing", ("random_windows", "packed"))):
@@ -298,6 +333,10 @@ def _validate(cfg):
   if (cfg.data.task == "lm") != (m.arch == "decoder_only"):
     raise UserError(f"data.task={cfg.data.task!r} needs model.arch="
                     f"{'decoder_only' if cfg.data.task == 'lm' else 'encoder_decoder'}")
+  if cfg.decode.length_penalty not in ("gnmt", "hf"):
+    raise UserError(f"decode.length_penalty={cfg.decode.length_penalty!r}: choose gnmt or hf")
+  if cfg.decode.hf_early_stopping not in ("false", "true", "never"):
+    raise UserError(f"decode.hf_early_stopping={cfg.decode.hf_early_stopping!r}: choose false, true or never")
   if cfg.optim.schedule not in ("rsqrt", "cosine", "constant"):
     raise UserError(f"optim.schedule={cfg.optim.schedule!r}: choose rsqrt, cosine or constant")
   if cfg.train.nan_policy not in ("skip", "stop"):

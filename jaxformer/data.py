@@ -178,8 +178,10 @@ def filter_pairs(src_ids, tgt_ids, max_len):
                 "too_long": int(too_long.sum())}
 
 
-def _cache_key(tokenizer_path, texts):
+def _cache_key(tokenizer_path, texts, targets=()):
   h = hashlib.sha256(_CACHE_VERSION.encode())
+  if targets:  # only tokenizers with a target side of their own (Marian) pass them
+    h.update(f"targets:{sorted(targets)}".encode())
   tokenizer_path = os.fspath(tokenizer_path)
   if tokenizer_path == "byte":
     h.update(b"byte")
@@ -200,7 +202,7 @@ def _cache_key(tokenizer_path, texts):
 
 
 def tokenize_corpus(tokenizer_path, texts, cache_path=None, num_proc=-1,
-                    chunk_size=100_000):
+                    chunk_size=100_000, targets=()):
   """Tokenizes several line lists in parallel, cached on disk.
 
   The cache is an `.npz` (flat ids + offsets per input) keyed by a hash of
@@ -219,10 +221,12 @@ def tokenize_corpus(tokenizer_path, texts, cache_path=None, num_proc=-1,
       (holds `tokens-<key>.npz`), or None for no cache.
     num_proc: encoder threads, -1 = all cores.
     chunk_size: lines encoded at a time; bounds the Python-list memory.
+    targets: indices of the inputs that are target-side text, encoded with
+      `encode_target` (Marian splits targets with its target model).
   Returns:
     A list of `Ragged`, one per input, without BOS/EOS.
   """
-  key = _cache_key(tokenizer_path, texts)
+  key = _cache_key(tokenizer_path, texts, targets)
   if cache_path is not None:
     cache_path = os.fspath(cache_path)
     if not cache_path.endswith(".npz"):
@@ -235,11 +239,14 @@ def tokenize_corpus(tokenizer_path, texts, cache_path=None, num_proc=-1,
 
   tok = tokenizer_lib.load_tokenizer(tokenizer_path)
   out = []
-  for t in texts:
+  for n, t in enumerate(texts):
     lines = read_lines(t) if isinstance(t, (str, os.PathLike)) else list(t)
-    parts = [Ragged.from_lists(tok.encode_batch(lines[i:i + chunk_size],
-                                                num_threads=num_proc))
-             for i in range(0, len(lines), chunk_size)]
+    if n in targets:
+      parts = [Ragged.from_lists([tok.encode_target(x) for x in lines])]
+    else:
+      parts = [Ragged.from_lists(tok.encode_batch(lines[i:i + chunk_size],
+                                                  num_threads=num_proc))
+               for i in range(0, len(lines), chunk_size)]
     flat = np.concatenate([r.flat for r in parts] or [np.zeros(0, np.int32)])
     lengths = np.concatenate([r.lengths for r in parts] or [np.zeros(0, int)])
     out.append(Ragged(flat, np.concatenate([[0], np.cumsum(lengths)])))
@@ -281,7 +288,7 @@ class Batcher:
 
   def __init__(self, src_ids, tgt_ids, tokens_per_batch, max_len, seed=0,
                batch_multiple=1, indices=None, shuffle=True,
-               buckets=DEFAULT_BUCKETS, part=None):
+               buckets=DEFAULT_BUCKETS, pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID, part=None):
     """Args:
 
       src_ids, tgt_ids: `Ragged`, `shards.RaggedShards` (memory-mapped) or
@@ -293,9 +300,11 @@ class Batcher:
       indices: the pairs to use (e.g. `filter_pairs`' kept); default all.
       shuffle: False gives a fixed order (bucket by bucket), for evaluation.
       buckets: candidate bucket lengths.
+      pad_id, bos_id, eos_id: the model's special ids (Marian: 58100, 58100, 0).
       part: this process's part of each batch (see `row_range`): only those
         rows' tokens are read; lengths, masks and positions cover all rows.
     """
+    self.pad_id, self.bos_id, self.eos_id = pad_id, bos_id, eos_id
     self.src = Ragged.from_lists(src_ids)
     self.tgt = Ragged.from_lists(tgt_ids)
     if len(self.src) != len(self.tgt):
@@ -375,14 +384,14 @@ class Batcher:
     src_eos, tgt_eos = pos == n_src[:, None] - 1, pos == n_tgt[:, None] - 1
     gather = lambda ragged: _own_rows(lambda lo, hi: ragged.gather(idx[lo:hi], length),
                                       len(idx), self.part, (length,))
-    inputs = np.where(src_eos, EOS_ID, gather(self.src) * src_mask)
-    targets = np.where(tgt_eos, EOS_ID, gather(self.tgt) * tgt_mask)
+    inputs = np.where(src_eos, self.eos_id, np.where(src_mask, gather(self.src), self.pad_id))
+    targets = np.where(tgt_eos, self.eos_id, np.where(tgt_mask, gather(self.tgt), self.pad_id))
     shifted = np.concatenate(
-        [np.full((len(idx), 1), BOS_ID), targets[:, :-1]], axis=1)
+        [np.full((len(idx), 1), self.bos_id), targets[:, :-1]], axis=1)
     return {
         "inputs": inputs.astype(np.int32),
         "targets": targets.astype(np.int32),
-        "decoder_inputs": np.where(tgt_mask, shifted, PAD_ID).astype(np.int32),
+        "decoder_inputs": np.where(tgt_mask, shifted, self.pad_id).astype(np.int32),
         "inputs_segmentation": src_mask.astype(np.int32),
         "targets_segmentation": tgt_mask.astype(np.int32),
         "inputs_position": np.where(src_mask, pos, 0).astype(np.int32),
@@ -417,13 +426,14 @@ def nanogpt_split(text, train_fraction=0.9):
   return text[:n], text[n:]
 
 
-def lm_token_stream(texts, tokenizer, add_eos=True):
+def lm_token_stream(texts, tokenizer, add_eos=True, add_bos=False):
   """Concatenates tokenized documents into one stream.
 
   Args:
     texts: iterable of documents (str).
-    tokenizer: a `Tokenizer`.
+    tokenizer: a `Tokenizer` (its eos_id / bos_id are used).
     add_eos: append EOS after each document; False matches nanoGPT.
+    add_bos: put BOS before each document (Llama's convention).
   Returns:
     int32 array [total_tokens].
   """
@@ -431,9 +441,11 @@ def lm_token_stream(texts, tokenizer, add_eos=True):
   for t in texts:
     ids = (tokenizer.encode_array(t) if hasattr(tokenizer, "encode_array")
            else np.asarray(tokenizer.encode(t), np.int32))
+    if add_bos:
+      parts.append(np.array([tokenizer.bos_id], np.int32))
     parts.append(ids)
     if add_eos:
-      parts.append(np.array([EOS_ID], np.int32))
+      parts.append(np.array([tokenizer.eos_id], np.int32))
   return np.concatenate(parts or [np.zeros(0, np.int32)]).astype(np.int32)
 
 

@@ -40,11 +40,12 @@ def file_sha256(path):
 
 
 def translate(model, params, tokenizer, sources, beam_size=4, alpha=0.6, max_extra_len=50,
-              batch_size=64, log=None):
+              batch_size=64, log=None, length_penalty="gnmt", early_stopping="false", suppress_pad=False):
   """Translates a list of source strings; beam_size 1 is greedy. Returns detokenized strings.
 
   Sentences are sorted by length and padded to a few fixed widths, so a whole test set
   compiles only a handful of times; nothing is truncated (max length = source + 50).
+  length_penalty, early_stopping, suppress_pad: as in `decode.beam_search` (decode.* config).
   """
   ids = [tokenizer.encode(s) + [tokenizer.eos_id] for s in sources]
   order = np.argsort([len(x) for x in ids], kind="stable")
@@ -54,14 +55,16 @@ def translate(model, params, tokenizer, sources, beam_size=4, alpha=0.6, max_ext
     chunk = order[n:n + batch_size]
     longest = max(len(ids[i]) for i in chunk)
     width = next((w for w in _WIDTHS if w >= longest), longest)
-    inputs = np.zeros((batch_size, width), np.int32)
+    inputs = np.full((batch_size, width), model.cfg.pad_id, np.int32)
     for row, i in enumerate(chunk):
       inputs[row, :len(ids[i])] = ids[i]
     if beam_size == 1:
-      tokens = decode.greedy_translate(model, params, jnp.asarray(inputs), max_extra_len=max_extra_len)
+      tokens = decode.greedy_translate(model, params, jnp.asarray(inputs), max_extra_len=max_extra_len,
+                                       suppress_pad=suppress_pad)
     else:
       tokens = decode.beam_search(model, params, jnp.asarray(inputs), beam_size=beam_size, alpha=alpha,
-                                  max_extra_len=max_extra_len)[0][:, 0]
+                                  max_extra_len=max_extra_len, length_penalty_kind=length_penalty,
+                                  early_stopping=early_stopping, suppress_pad=suppress_pad)[0][:, 0]
     tokens = np.asarray(tokens)
     for row, i in enumerate(chunk):
       hyps[i] = tokenizer.decode(tokens[row])
@@ -81,14 +84,23 @@ def abstract_params(cfg):
   return model, nn.unbox(shapes)
 
 
+def stored_scan_layers(ckpt, step=None):
+  """Whether checkpoint `step` (default: latest) of a `checkpoint.Checkpointer` holds its layers
+  stacked (`model.scan_layers`) rather than unrolled (`layer_0`, ...)."""
+  return any(p.startswith("params/") and "/layers/" in p for p in ckpt.stored_paths(step))
+
+
 # What evaluation may change in a run's saved config: how to decode, and which files to read.
 EVAL_OVERRIDE_SECTIONS = ("decode", "data")
 
 
-def load_run(workdir, average_last=0, step=None, log=print, overrides=()):
+def load_run(workdir, average_last=0, step=None, log=print, overrides=(), scan_layers=None):
   """(cfg, model, params, tokenizer, meta) of a training workdir; averages the last K checkpoints if asked.
 
   `overrides` (`decode.*` and `data.*` only) apply on top of the run's saved config.
+  The checkpoint may hold its layers unrolled or stacked (`model.scan_layers`): its own
+  layout is read from the stored tree, and the params come back in the layout of the run's
+  config, or of `scan_layers` when given (the returned cfg and model then follow it).
   """
   path = os.path.join(workdir, "config.json")
   if not os.path.exists(path):
@@ -100,12 +112,16 @@ def load_run(workdir, average_last=0, step=None, log=print, overrides=()):
       raise UserError(f"override {override!r}: evaluation takes decode.* and data.* overrides only "
                       f"(the model comes from {path})")
     cfg = config_lib.apply_override(cfg, override)
-  model, shapes = abstract_params(cfg)
+  config_lib._validate(cfg)  # an override like decode.length_penalty=typo is an error, not a silent default
+  if scan_layers is not None:
+    cfg = config_lib.replace(cfg, **{"model.scan_layers": bool(scan_layers)})
   ckpt = checkpoint_lib.Checkpointer(workdir, max_to_keep=None, async_save=False)
   try:
+    steps = (ckpt.all_steps()[-average_last:] or [None]) if average_last > 1 else [step]
+    stored_scan = stored_scan_layers(ckpt, steps[-1])
+    _, shapes = abstract_params(config_lib.replace(cfg, **{"model.scan_layers": stored_scan}))
     if average_last > 1:
       params = checkpoint_lib.average_checkpoints(workdir, average_last, {"params": shapes})
-      steps = ckpt.all_steps()[-average_last:]
       _, meta = ckpt.restore_params(shapes, step=steps[-1])
       log(f"averaged the last {average_last} checkpoints: steps {steps}")
     else:
@@ -113,6 +129,10 @@ def load_run(workdir, average_last=0, step=None, log=print, overrides=()):
       log(f"restored step {meta.get('step')} from {ckpt.directory}")
   finally:
     ckpt.close()
+  if stored_scan != cfg.model.scan_layers:
+    params = model_lib.convert_layers(params, cfg.model.scan_layers)
+    log(f"converted the checkpoint's layers from the {'scanned' if stored_scan else 'unrolled'} layout")
+  model = model_lib.build_model(cfg.model)
   tok_path = tasks.tokenizer_path(cfg, workdir)
   if tok_path != "byte" and not os.path.exists(tok_path):
     raise UserError(f"tokenizer {tok_path} is missing: eval needs the tokenizer the model was trained with")
@@ -120,6 +140,7 @@ def load_run(workdir, average_last=0, step=None, log=print, overrides=()):
     raise UserError(f"tokenizer {tok_path} is not the one checkpoint step {meta.get('step')} was trained "
                     "with (its hash differs): restore the original tokenizer file")
   tokenizer = tokenizer_lib.load_tokenizer(tok_path)
+  tokenizer.use_model_ids(cfg.model.pad_id, cfg.model.bos_id, cfg.model.eos_id, path)
   if tokenizer.vocab_size > cfg.model.vocab_size:
     raise UserError(f"tokenizer {tok_path} has {tokenizer.vocab_size} ids but the model has "
                     f"{cfg.model.vocab_size}: wrong tokenizer for this checkpoint")
@@ -129,7 +150,7 @@ def load_run(workdir, average_last=0, step=None, log=print, overrides=()):
 def evaluate_translation(cfg, model, params, tokenizer, split, out_path=None, beam_size=None, alpha=None,
                          limit=0, log=print):
   """Decodes a split, writes the hypotheses, and returns the BLEU scores."""
-  splits = tasks.load_translation_splits(cfg)
+  splits = tasks.load_translation_splits(cfg, need_train=False)
   if split not in splits:
     raise UserError(f"the config has no {split} split (it has {', '.join(splits)})")
   sources, refs = splits[split]
@@ -137,10 +158,11 @@ def evaluate_translation(cfg, model, params, tokenizer, split, out_path=None, be
     sources, refs = sources[:limit], refs[:limit]
   beam = cfg.decode.beam_size if beam_size is None else beam_size
   alpha = cfg.decode.alpha if alpha is None else alpha
-  log(f"decoding {len(sources):,} {split} sentences: beam {beam}, alpha {alpha}, "
-      f"max length = source + {cfg.decode.max_extra_len}")
+  log(f"decoding {len(sources):,} {split} sentences: beam {beam}, alpha {alpha} "
+      f"({cfg.decode.length_penalty} length penalty), max length = source + {cfg.decode.max_extra_len}")
   hyps = translate(model, params, tokenizer, sources, beam, alpha, cfg.decode.max_extra_len,
-                   cfg.decode.batch_size, log=log)
+                   cfg.decode.batch_size, log=log, length_penalty=cfg.decode.length_penalty,
+                   early_stopping=cfg.decode.hf_early_stopping, suppress_pad=cfg.decode.suppress_pad)
   if out_path:
     with open(out_path, "w", encoding="utf-8") as f:
       f.write("".join(h + "\n" for h in hyps))

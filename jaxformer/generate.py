@@ -6,6 +6,9 @@
 Prompts of different lengths are batched; the prompt is prefilled in one call and the
 decode loop runs inside jit on the KV cache (`jaxformer.decode.generate`). A prefix
 shared by all prompts (`--prefix`, e.g. a system prompt) is prefilled once and reused.
+With learned positions a sample may run past the position table: each new token then
+sees the last `model.max_len` tokens (nanoGPT's crop). Other positions keep every token
+in the KV cache, up to `decode.max_cache_len` slots.
 """
 
 import argparse
@@ -20,20 +23,27 @@ from jaxformer.errors import UserError, cli
 
 
 def generate_text(model, params, tokenizer, cfg, prompts, max_new_tokens=200, temperature=0.8, top_k=0,
-                  top_p=1.0, seed=0, prefix="", stop_at_eos=True):
-  """Continues each prompt string; returns the generated continuations (prompt excluded)."""
-  ids = [tokenizer.encode(p) or [tokenizer.bos_id] for p in prompts]
-  prefix_ids = tokenizer.encode(prefix) if prefix else []
-  longest = max(len(x) for x in ids) + len(prefix_ids)
-  if cfg.model.position == "learned" and longest + max_new_tokens > cfg.model.max_len:
-    raise UserError(f"prompt ({longest} tokens) + --max-new-tokens {max_new_tokens} exceeds the model's "
-                    f"{cfg.model.max_len} learned positions; ask for at most {cfg.model.max_len - longest} tokens")
+                  top_p=1.0, seed=0, prefix="", stop_at_eos=True, log=print):
+  """Continues each prompt string; returns the generated continuations (prompt excluded).
+
+  Past a learned-position table `log` gets one note: the context slides (nanoGPT's crop).
+  """
+  bos = [tokenizer.bos_id] if cfg.data.add_bos else []  # Llama's text starts with BOS: the prefix's, else each prompt's
+  prefix_ids = bos + tokenizer.encode(prefix) if prefix else []
+  ids = [([] if prefix else bos) + tokenizer.encode(p) or [tokenizer.bos_id] for p in prompts]
+  fed = len(prefix_ids) + max(len(x) for x in ids) + max_new_tokens - 1   # the last token is never fed back
+  window = decode.sliding_window(model, fed, cfg.decode.max_cache_len)   # before any cache is allocated
+  if window:
+    log(f"note: sampling past the {window}-position table: each new token sees the last {window} tokens "
+        f"(nanoGPT's crop)")
+    # The crop moves the prefix's positions: no cache of it stays valid, so it joins each prompt.
+    ids, prefix_ids = [prefix_ids + x for x in ids], []
   cache = None
   if prefix_ids:
-    cache = decode.prefill_prefix(model, params, prefix_ids, len(ids), len(prefix_ids) + longest + max_new_tokens)
+    cache = decode.prefill_prefix(model, params, prefix_ids, len(ids), fed)
   tokens = decode.generate(model, params, ids, max_new_tokens, jax.random.PRNGKey(seed), temperature=temperature,
                            top_k=top_k, top_p=top_p, eos_id=tokenizer.eos_id if stop_at_eos else None,
-                           prefix_cache=cache)
+                           prefix_cache=cache, max_cache_len=cfg.decode.max_cache_len)
   return [tokenizer.decode(np.asarray(row)) for row in tokens]
 
 
@@ -63,12 +73,7 @@ def main(argv):
   if cfg.model.arch != "decoder_only":
     raise UserError(f"{args.workdir} holds a translation model: use eval.py to translate")
   prompts = args.prompt or ["\n"]
-  max_new = args.max_new_tokens
-  if max_new is None:  # the default fits the learned-position table; an explicit value is checked
-    max_new = cfg.decode.max_new_tokens
-    if cfg.model.position == "learned":
-      used = max(len(tokenizer.encode(p)) for p in prompts) + len(tokenizer.encode(args.prefix))
-      max_new = min(max_new, cfg.model.max_len - used)
+  max_new = cfg.decode.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
   outputs = generate_text(model, params, tokenizer, cfg, prompts, max_new, args.temperature, args.top_k,
                           args.top_p, args.seed, args.prefix)
   for prompt, out in zip(prompts, outputs):

@@ -1,7 +1,8 @@
-"""Model arithmetic without weights: parameters, FLOPs, KV cache and a decode roofline.
+"""Model arithmetic without weights: parameters, FLOPs, KV cache, decode roofline, training memory.
 
   python -m jaxformer.inspect --config llama3_8b [model.num_layers=2] [--dtype bfloat16]
       [--batch 1] [--context 4096,32768] [--seq-len 8192]
+  python -m jaxformer.inspect --config llama3_8b --mesh fsdp=64 [--batch 64] [model.remat=full ...]
 
 Shapes come from `jax.eval_shape(model.init)`: nothing is allocated, and the counts are
 the model's own rather than a formula that could drift from it. `DEVICES`, `peak_flops`
@@ -9,6 +10,7 @@ and `matmul_peak` are shared by the trainer's MFU and the benchmarks.
 """
 
 import argparse
+import dataclasses
 import functools
 import math
 import re
@@ -21,9 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from jaxformer import losses
+from jaxformer import sharding
 from jaxformer.config import ModelConfig, load_config
 from jaxformer.errors import UserError, cli
-from jaxformer.model import build_model
+from jaxformer.model import block_class, build_model
 
 
 class Device(NamedTuple):
@@ -214,6 +218,161 @@ def decode_roofline(cfg, dtype="bfloat16", batch=1, context=2048):
   return result
 
 
+# Memory per device for training (model.remat, model.scan_layers, model.logits_chunk, the mesh).
+
+# Accelerators for the fit table: memory per device in GB (10^9 bytes, as datasheets count).
+DEVICE_MEMORY_GB = {"A100 40GB": 40, "A100 80GB": 80, "H100": 80, "H200": 141, "TPU v4": 32, "TPU v5e": 16,
+                    "TPU v5p": 95}
+
+
+@functools.lru_cache(maxsize=32)
+def _boxed_params(m: ModelConfig):
+  """The abstract params with their logical axis names (nothing allocated)."""
+  model = build_model(m)
+  ids = jnp.ones((1, 1), jnp.int32)
+  return jax.eval_shape(lambda: model.init(jax.random.key(0), *((ids, ids) if m.arch == "encoder_decoder" else (ids,))))
+
+def _mesh_sizes(mesh):
+  """{"data", "fsdp", "tensor"} sizes from a MeshConfig, a dict or a string like "fsdp=64,tensor=2"."""
+  if isinstance(mesh, str):
+    sizes = {}
+    for part in filter(None, (p.strip() for p in mesh.split(","))):
+      axis, _, n = part.partition("=")
+      if axis not in sharding.MESH_AXES or not n.strip().isdigit() or int(n) < 1:
+        raise UserError(f"--mesh {mesh!r}: expected comma-separated AXIS=N with AXIS one of "
+                        f"{', '.join(sharding.MESH_AXES)} (e.g. fsdp=64 or data=4,fsdp=16)")
+      sizes[axis] = int(n)
+    mesh = sizes
+  elif not isinstance(mesh, dict):
+    mesh = {a: getattr(mesh, a) for a in sharding.MESH_AXES}
+  sizes = {a: max(int(mesh.get(a, 1)), 1) for a in sharding.MESH_AXES}  # -1 (fill) counts as 1 here
+  return sizes
+
+
+def parameter_bytes_per_device(cfg, mesh):
+  """float32 parameter bytes one device holds under the sharding rules (a dimension that
+  its mesh axes do not divide is replicated, as `sharding.logical_sharding` does)."""
+  m, sizes = _model_cfg(cfg), _mesh_sizes(mesh)
+  boxed = nn.unbox(_boxed_params(m)["params"])
+  specs = nn.get_partition_spec(_boxed_params(m)["params"])
+  total = 0
+  for spec, leaf in zip(jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)),
+                        jax.tree.leaves(boxed)):
+    shape = list(leaf.shape)
+    for i, axes in enumerate(nn.logical_to_mesh_axes(tuple(spec), sharding.RULES) if spec else ()):
+      names = axes if isinstance(axes, tuple) else (axes,) if axes else ()
+      n = math.prod(sizes[a] for a in names)
+      if shape[i] % n == 0:
+        shape[i] //= n
+    total += math.prod(shape) * leaf.dtype.itemsize
+  return total
+
+
+@functools.lru_cache(maxsize=256)
+def block_residual_bytes(m: ModelConfig, rows, length, causal=True, cross=False, src_len=None):
+  """Bytes one block keeps for its backward pass (under m.remat) for `rows` x `length` tokens,
+  counted from the block's own residuals (`jax.vjp` traced under eval_shape): its parameters
+  and the inputs every layer shares (segments, positions, the encoder output) are left out."""
+  block = block_class(m)(m, causal, cross)
+  x = jnp.zeros((rows, length, m.d_model), m.dtype)
+  ints = jnp.zeros((rows, length), jnp.int32)
+  enc = jnp.zeros((rows, src_len, m.d_model), m.dtype) if cross else None
+  enc_seg = jnp.zeros((rows, src_len), jnp.int32) if cross else None
+  result = {}
+
+  def count():
+    params = nn.unbox(block.init(jax.random.key(0), x, ints, ints, enc, enc_seg, True, False))["params"]
+    apply = lambda p, y: block.apply({"params": p}, y, ints, ints, enc, enc_seg, False, False,
+                                     rngs={"dropout": jax.random.key(0)})
+    _, backward = jax.vjp(apply, params, x)
+    shared = {id(t) for t in jax.tree.leaves((params, ints, enc, enc_seg))}
+    saved = {id(r): r for r in jax.tree.leaves(backward) if id(r) not in shared and hasattr(r, "dtype")}
+    result["bytes"] = sum(r.size * r.dtype.itemsize for r in saved.values())
+
+  jax.eval_shape(count)
+  return result["bytes"]
+
+
+def memory_plan(cfg, mesh, rows, lengths):
+  """Per-device bytes of one training step (Adam/AdamW, float32 params) and their sum.
+
+  rows: the global batch (sequences); lengths: (length,) for an LM, (src, tgt) for translation.
+  - params, grads: the sharded parameters, and a gradient for each (float32);
+  - optimizer: Adam's two moments (2 x params);
+  - activations: each layer's residuals under model.remat (`block_residual_bytes`) times the
+    layers, plus, with remat, what one layer recomputes while its backward pass runs;
+  - logits: the float32 logits and their gradient for the tokens processed at once (all of
+    them, or one chunk of model.logits_chunk), plus a bf16 copy when model.dtype is bf16.
+  Rows are split over data x fsdp; tensor parallelism divides parameters only here.
+  """
+  m, sizes = cfg.model, _mesh_sizes(mesh)
+  shards = sizes["data"] * sizes["fsdp"]
+  rows_dev = -(-rows // shards)
+  src, tgt = (lengths[0], lengths[-1])
+  params = parameter_bytes_per_device(cfg, sizes)
+  plan = {"params": params, "grads": params, "optimizer": 2 * params}
+  if m.arch == "encoder_decoder":
+    kinds = [(m.encoder_layers, dict(length=src, causal=False)),
+             (m.num_layers, dict(length=tgt, cross=True, src_len=src))]
+  else:
+    kinds = [(m.num_layers, dict(length=tgt))]
+  activations = sum(n * block_residual_bytes(m, rows_dev, **kind) for n, kind in kinds)
+  if m.remat != "none":  # the backward pass of a layer recomputes what its policy did not keep
+    plain = dataclasses.replace(m, remat="none")
+    activations += max(block_residual_bytes(plain, rows_dev, **kind) - block_residual_bytes(m, rows_dev, **kind)
+                       for _, kind in kinds)
+  plan["activations"] = activations
+  chunk = losses.logits_chunk(m.logits_chunk, rows * tgt, m.vocab_size, shards)
+  tokens = rows_dev * (max(1, min(chunk // rows, tgt)) if chunk else tgt)
+  plan["logits"] = tokens * m.vocab_size * (8 + (2 if m.dtype == "bfloat16" else 0))
+  plan["total"] = sum(plan.values())
+  return plan
+
+
+def largest_batch(cfg, mesh, lengths, device_bytes):
+  """The largest per-device batch (sequences) whose `memory_plan` total fits in device_bytes, or 0.
+
+  The plan grows linearly with the batch (a chunked loss's logits aside), so two plans give
+  the estimate, and exact plans step it down until it fits.
+  """
+  shards = _mesh_sizes(mesh)["data"] * _mesh_sizes(mesh)["fsdp"]
+  total = lambda b: memory_plan(cfg, mesh, b * shards, lengths)["total"]
+  one, two = total(1), total(2)
+  if one > device_bytes:
+    return 0
+  b = 1 + int((device_bytes - one) // max(two - one, 1))
+  while b > 1 and total(b) > device_bytes:
+    b = max(1, int(b * 0.95))
+  return b
+
+
+def memory_report(cfg, mesh, rows, lengths):
+  """The CLI's training-memory section: the plan, and the fit against DEVICE_MEMORY_GB."""
+  m, sizes = cfg.model, _mesh_sizes(mesh)
+  shards = sizes["data"] * sizes["fsdp"]
+  plan = memory_plan(cfg, sizes, rows, lengths)
+  chunk = losses.logits_chunk(m.logits_chunk, rows * lengths[-1], m.vocab_size, shards)
+  shape = " + ".join(str(n) for n in lengths)
+  lines = [f"Training memory per device: mesh {' x '.join(f'{a}={n}' for a, n in sizes.items())}, batch {rows:,} x "
+           f"{shape} tokens ({-(-rows // shards):,} sequences per device), remat {m.remat}, "
+           f"scan_layers {str(m.scan_layers).lower()}, logits {f'in chunks of {chunk:,} tokens' if chunk else 'whole'}"]
+  notes = {"params": "float32, sharded by the rules", "grads": "float32, one per parameter",
+           "optimizer": "Adam: 2 moments x params", "activations": "kept for the backward pass, all layers",
+           "logits": "float32 logits + their gradient"}
+  for key, n in plan.items():
+    lines.append(f"  {key:<12}{n / 2**30:10.2f} GiB  {notes.get(key, '')}".rstrip())
+  if m.remat != "none" and not m.scan_layers:
+    lines.append("  (remat without model.scan_layers: XLA:CPU recomputes early and keeps nearly everything anyway; "
+                 "BENCHMARKS.md)")
+  if sizes["tensor"] > 1:
+    lines.append("  (tensor > 1: activations counted as if not split over `tensor`: an upper bound)")
+  lines.append(f"  {'device':<10}{'GB':>5}  fits  largest batch per device")
+  for name, gb in DEVICE_MEMORY_GB.items():
+    fits = "yes" if plan["total"] <= gb * 1e9 else "no"
+    lines.append(f"  {name:<10}{gb:>5}  {fits:<4}  {largest_batch(cfg, sizes, lengths, gb * 1e9):,}")
+  return "\n".join(lines)
+
+
 def _si(x, unit):
   """12345678 -> '12.35 M<unit>'."""
   for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
@@ -274,7 +433,11 @@ def main(argv):
   parser.add_argument("--config", required=True, help="recipe name (configs/<name>.py) or path")
   parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.num_layers=2")
   parser.add_argument("--dtype", default="bfloat16", help="bytes per weight and KV entry (default bfloat16)")
-  parser.add_argument("--batch", type=int, default=1, help="sequences decoded together")
+  parser.add_argument("--batch", type=int, default=None,
+                      help="sequences decoded together (default 1); with --mesh, the global training batch "
+                           "(default: the recipe's)")
+  parser.add_argument("--mesh", default=None,
+                      help="print the training memory per device on this mesh, e.g. fsdp=64 or data=2,fsdp=32")
   parser.add_argument("--context", default="4096,32768", help="comma-separated context lengths for the KV cache")
   parser.add_argument("--seq-len", type=int, default=None,
                       help="training length for FLOPs and decode context for the roofline (default: the recipe's)")
@@ -284,7 +447,13 @@ def main(argv):
   except ValueError:
     raise UserError(f"--context {args.context!r}: expected comma-separated integers, e.g. 4096,32768") from None
   cfg = load_config(args.config, args.overrides)
-  print(report(cfg, args.dtype, args.batch, contexts, args.seq_len))
+  print(report(cfg, args.dtype, args.batch or 1, contexts, args.seq_len))
+  if args.mesh:
+    seq_len = args.seq_len or (cfg.data.block_size if cfg.data.task == "lm" else cfg.data.max_len)
+    lengths = (seq_len,) if cfg.data.task == "lm" else (seq_len, seq_len)
+    recipe_rows = cfg.data.batch_size if cfg.data.task == "lm" else max(cfg.data.tokens_per_batch // seq_len, 1)
+    rows = args.batch or recipe_rows
+    print("\n" + memory_report(cfg, args.mesh, rows, lengths))
 
 
 if __name__ == "__main__":

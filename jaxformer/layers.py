@@ -149,9 +149,21 @@ class Embed(nn.Module):
 
   def attend(self, x):
     """x [batch, length, d_model] -> logits [batch, length, vocab] (float32)."""
-    logits = einsum("nd,vd->nv", x.reshape(-1, x.shape[-1]), self.embedding.astype(x.dtype),
-                    self.cfg.matmul_dtype)  # 2-D, as in TokenDense
-    return logits.reshape(*x.shape[:-1], -1).astype(jnp.float32)
+    logits = project_logits(x.reshape(-1, x.shape[-1]), self.embedding, "nd,vd->nv", self.cfg)  # 2-D, as in TokenDense
+    return logits.reshape(*x.shape[:-1], -1)
+
+
+def project_logits(x, weight, spec, cfg: ModelConfig, bias=None):
+  """x [tokens, d_model] -> logits [tokens, vocab] (float32) through the output layer's weight.
+
+  weight: the tied embedding table [vocab, d_model] (spec "nd,vd->nv") or the untied
+  kernel [d_model, vocab] ("nd,dv->nv"); the product in cfg.dtype on cfg.matmul_dtype
+  operands, as `Embed.attend` and the `logits` layer compute it; plus `bias` [vocab]
+  (model.logits_bias) when given.
+  """
+  dtype = jnp.dtype(cfg.dtype)
+  logits = einsum(spec, x.astype(dtype), weight.astype(dtype), cfg.matmul_dtype).astype(jnp.float32)
+  return logits if bias is None else logits + bias
 
 
 def sinusoidal(positions, d_model, layout="interleaved", max_timescale=10000.0):
@@ -160,12 +172,14 @@ def sinusoidal(positions, d_model, layout="interleaved", max_timescale=10000.0):
   positions [batch, length] -> [batch, length, d_model]. `layout="concat"` gives
   tensor2tensor's variant (all sines, then all cosines, timescales 1..10000 spread
   over d/2 - 1 steps), kept as an option for checkpoints trained that way.
+  `layout="marian"` (Marian, OPUS-MT) has the paper's frequencies 10000^(-2i/d) with
+  the sines in the first half and the cosines in the second.
   """
   half = d_model // 2
-  if layout == "interleaved":
-    inv_freq = max_timescale ** (-np.arange(0, d_model, 2, dtype=np.float64) / d_model)
-  else:
+  if layout == "concat":
     inv_freq = np.exp(-np.arange(half) * math.log(max_timescale) / max(half - 1, 1))
+  else:
+    inv_freq = max_timescale ** (-np.arange(0, d_model, 2, dtype=np.float64) / d_model)
   angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
   sin, cos = jnp.sin(angles), jnp.cos(angles)
   if layout == "interleaved":
@@ -178,9 +192,10 @@ def rope_frequencies(cfg: ModelConfig):
 
   - ntk:    NTK-aware: base theta * s^(d / (d - 2)), stretching low frequencies most.
   - yarn:   YaRN (Peng et al. 2023): interpolate low frequencies by s, keep high ones,
-            linear ramp between (beta_fast=32, beta_slow=1 rotations), and scale the
-            logits by (0.1 ln s + 1)^2 (applied to q and k as 0.1 ln s + 1 each).
-  - llama3: Llama 3.1's piecewise rule (low_freq_factor 1, high_freq_factor 4).
+            linear ramp between (dims turning rope_beta_fast = 32 and rope_beta_slow = 1
+            times over the original length), and scale cos/sin by the attention factor
+            (default 0.1 ln s + 1, so the logits by its square), as in HF's rope utils.
+  - llama3: Llama 3.1's piecewise rule (rope_low_freq_factor 1, rope_high_freq_factor 4).
   """
   d = cfg.dim_per_head
   s = cfg.rope_scaling_factor
@@ -192,14 +207,25 @@ def rope_frequencies(cfg: ModelConfig):
   if cfg.rope_scaling == "yarn":
     def dim_for(rotations):  # the dimension whose wavelength fits `rotations` times in the context
       return d * math.log(cfg.rope_original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
-    low, high = max(math.floor(dim_for(32)), 0), min(math.ceil(dim_for(1)), d - 1)
-    ramp = np.clip((np.arange(d // 2) - low) / max(high - low, 1e-3), 0, 1)  # 0: keep, 1: interpolate
+    low, high = dim_for(cfg.rope_beta_fast), dim_for(cfg.rope_beta_slow)
+    if cfg.rope_truncate:
+      low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    ramp = np.clip((np.arange(d // 2) - low) / (high - low if high != low else 1e-3), 0, 1)  # 0: keep, 1: interpolate
     inv_freq = inv_freq * (1 - ramp) + inv_freq / s * ramp
-    mscale = 0.1 * math.log(s) + 1.0 if s > 1 else 1.0
+    mscale = cfg.rope_attention_factor
+    if mscale is None:
+      def m(scale, k=1.0):
+        return 0.1 * k * math.log(scale) + 1.0 if scale > 1 else 1.0
+      if cfg.rope_mscale and cfg.rope_mscale_all_dim:  # DeepSeek's rule
+        mscale = m(s, cfg.rope_mscale) / m(s, cfg.rope_mscale_all_dim)
+      else:
+        mscale = m(s)
   elif cfg.rope_scaling == "llama3":
+    low_factor, high_factor = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
     wavelen = 2 * math.pi / inv_freq
-    low_wavelen, high_wavelen = cfg.rope_original_max_len / 1.0, cfg.rope_original_max_len / 4.0
-    smooth = (cfg.rope_original_max_len / wavelen - 1.0) / (4.0 - 1.0)
+    low_wavelen, high_wavelen = cfg.rope_original_max_len / low_factor, cfg.rope_original_max_len / high_factor
+    smooth = (cfg.rope_original_max_len / wavelen - low_factor) / (high_factor - low_factor)
     mid = (1 - smooth) * inv_freq / s + smooth * inv_freq
     inv_freq = np.where(wavelen > low_wavelen, inv_freq / s, np.where(wavelen < high_wavelen, inv_freq, mid))
   return inv_freq, mscale
@@ -367,7 +393,7 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-  """Position-wise FFN: ReLU (paper), GELU (tanh: GPT-2; erf: nanoGPT, BERT) or SwiGLU (Llama).
+  """Position-wise FFN: ReLU (paper), GELU (tanh: GPT-2; erf: nanoGPT, BERT), SiLU (OPUS-MT) or SwiGLU (Llama).
 
   [batch, length, d_model] -> [batch, length, d_model].
   """
@@ -385,6 +411,8 @@ class FeedForward(nn.Module):
       # gelu: the tanh approximation (GPT-2); gelu_exact: the erf form (nanoGPT, BERT).
       if cfg.activation == "relu":
         hidden = nn.relu(hidden)
+      elif cfg.activation == "silu":  # x * sigmoid(x), "swish" in HF configs (OPUS-MT)
+        hidden = nn.silu(hidden)
       else:
         hidden = nn.gelu(hidden, approximate=cfg.activation == "gelu")
     hidden = nn.with_logical_constraint(hidden, ("batch", "length", "mlp"))

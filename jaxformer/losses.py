@@ -67,3 +67,62 @@ def _token_losses_bwd(label_smoothing, residuals, cotangents):
 
 
 _token_losses.defvjp(_token_losses_fwd, _token_losses_bwd)
+
+
+# model.logits_chunk=0 chunks by itself when one device's float32 logits would pass this
+# size (Llama 3's 128k vocabulary at 8k tokens: 4 GiB); each chunk then holds about
+# AUTO_CHUNK_BYTES of them per device. The recipes' own batches stay under it on one device.
+AUTO_LOGITS_BYTES = 2 * 2**30
+AUTO_CHUNK_BYTES = 256 * 2**20
+
+
+def logits_chunk(setting, tokens, vocab_size, batch_shards=1):
+  """Tokens per chunk for `chunked_cross_entropy`, or 0 for the whole logits at once.
+
+  setting: model.logits_chunk (> 0: that many; 0: automatic, see AUTO_LOGITS_BYTES);
+  tokens: target tokens in the (micro-)batch, split over `batch_shards` devices.
+  """
+  if setting > 0:
+    return setting if setting < tokens else 0
+  if tokens / batch_shards * vocab_size * 4 <= AUTO_LOGITS_BYTES:
+    return 0
+  return max(1, AUTO_CHUNK_BYTES // (4 * vocab_size)) * batch_shards
+
+
+def chunked_cross_entropy(hidden, weight, targets, weights, label_smoothing, chunk, project):
+  """`cross_entropy(project(hidden, weight), ...)`, with the logits built `chunk` tokens at a time.
+
+  hidden [batch, length, d_model] (the final hidden states); weight: the output layer's,
+  turned into logits [tokens, vocab] (float32) by `project(h [tokens, d_model], weight)`;
+  targets, weights [batch, length]. The rows go through in pieces of [batch, c] positions,
+  c = max(1, chunk // batch) (the length padded with weight-0 slots to a multiple of c), in
+  a `lax.scan` whose body is rematerialised: the forward pass keeps only each piece's loss
+  sums, and the backward pass rebuilds the piece's logits, applies the written-out
+  gradient of `_token_losses` and accumulates the weight's gradient across pieces. So
+  the logits and their gradient exist for one piece at a time, for the cost of computing
+  the logits twice. Returns what `cross_entropy` returns (same values up to float32
+  rounding: the sums run in another order).
+  """
+  batch, length, d_model = hidden.shape
+  c = max(1, min(chunk // batch, length))
+  pieces = -(-length // c)
+  pad = pieces * c - length
+
+  def split(x):  # [batch, length, ...] -> [pieces, batch, c, ...]
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    return jnp.swapaxes(x.reshape(batch, pieces, c, *x.shape[2:]), 0, 1)
+
+  @functools.partial(jax.checkpoint, prevent_cse=False)  # in a scan, nothing to protect from CSE
+  def piece(h, t, w):
+    logits = project(h.reshape(-1, d_model), weight)
+    loss, nll = _token_losses(logits, t.reshape(-1), float(label_smoothing))
+    w = w.reshape(-1)
+    return jnp.sum(loss * w), jnp.sum(nll * w)
+
+  def body(sums, xs):
+    return jax.tree.map(jnp.add, sums, piece(*xs)), None
+
+  zero = jnp.zeros((), jnp.float32)
+  xs = (split(hidden), split(targets), split(weights.astype(jnp.float32)))
+  (loss, nll), _ = jax.lax.scan(body, (zero, zero), xs)
+  return loss, nll, jnp.sum(weights)

@@ -1,19 +1,30 @@
 """The models: `EncoderDecoder` (Vaswani et al. 2017) and `DecoderOnly` (GPT-2, Llama).
 
 Both are assembled from the blocks in `jaxformer.layers` by config. Inputs use the
-conventions of `jaxformer.data`: token id 0 is padding, segment ids mark real tokens
-(0 = pad; several segments in a row = packed sequences), positions count from 0.
+conventions of `jaxformer.data`: token id `cfg.pad_id` (0 by default) is padding, segment
+ids mark real tokens (0 = pad; several segments in a row = packed sequences), positions
+count from 0.
 """
 
+import re
+
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from jaxformer.config import ModelConfig
 from jaxformer import layers
 
 
-def _default_segments(ids, segment):
-  return (ids != 0).astype(jnp.int32) if segment is None else segment
+def _default_segments(ids, segment, pad_id=0):
+  return (ids != pad_id).astype(jnp.int32) if segment is None else segment
+
+
+def _logits_bias(module, cfg):
+  """The optional trained output bias [vocab] (Marian's final_logits_bias), or None."""
+  if not cfg.logits_bias:
+    return None
+  return module.param("logits_bias", layers._param(nn.initializers.zeros, ("vocab",)), (cfg.vocab_size,), jnp.float32)
 
 
 def _default_positions(ids, position):
@@ -26,11 +37,13 @@ class Block(nn.Module):
   """One layer: self-attention, optional cross-attention, FFN; each a residual sublayer.
 
   Post-norm (paper): x = norm(x + dropout(f(x))). Pre-norm (GPT-2, Llama):
-  x = x + dropout(f(norm(x))). x [batch, length, d_model] -> same shape.
+  x = x + dropout(f(norm(x))). x [batch, length, d_model] -> same shape, or
+  (x, None) with `scan_body` (the carry and per-layer outputs `nn.scan` expects).
   """
   cfg: ModelConfig
   causal: bool = False
   cross: bool = False
+  scan_body: bool = False
 
   @nn.compact
   def __call__(self, x, segment, position, encoded=None, encoded_segment=None,
@@ -53,7 +66,26 @@ class Block(nn.Module):
                                                 None, deterministic=deterministic), "cross_attention")
     ffn = layers.FeedForward(cfg, name="ffn")
     x = sublayer(x, lambda y: ffn(y, deterministic), "ffn")
-    return nn.with_logical_constraint(x, ("batch", "length", "embed"))
+    x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+    return (x, None) if self.scan_body else x
+
+
+# model.remat -> what a block keeps for the backward pass (the rest is recomputed there).
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,  # only the block's inputs
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,  # every matmul output
+    # The projections' outputs, not attention's batched q.k and p.v products [b, h, q, k].
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def block_class(cfg: ModelConfig):
+  """Block, wrapped in `nn.remat` with the policy `cfg.remat` names (none: Block itself)."""
+  if cfg.remat == "none":
+    return Block
+  # deterministic and decode (arguments 6 and 7, counting self) steer Python control flow.
+  # Inside nn.scan the loop already keeps XLA from merging the recomputation away.
+  return nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers, static_argnums=(6, 7))
 
 
 class Stack(nn.Module):
@@ -76,9 +108,17 @@ class Stack(nn.Module):
       x = x + jnp.take(table, position, axis=0).astype(x.dtype)
     # The paper applies dropout to the sum of embeddings and positional encodings.
     x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
-    for i in range(self.num_layers):
-      x = Block(cfg, self.causal, self.cross, name=f"layer_{i}")(
-          x, segment, position, encoded, encoded_segment, deterministic, decode)
+    args = (segment, position, encoded, encoded_segment, deterministic, decode)
+    if cfg.scan_layers:
+      # One traced block, run num_layers times: its parameters (and KV cache) are stacked
+      # on a leading `layers` axis; every argument but x is the same for all layers.
+      layer_stack = nn.scan(block_class(cfg), variable_axes={"params": 0, "cache": 0},
+                            split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,) * len(args),
+                            length=self.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+      x, _ = layer_stack(cfg, self.causal, self.cross, scan_body=True, name="layers")(x, *args)
+    else:
+      for i in range(self.num_layers):
+        x = block_class(cfg)(cfg, self.causal, self.cross, name=f"layer_{i}")(x, *args)
     if cfg.norm_position == "pre":
       x = layers.norm(cfg, "final_norm")(x)
     return x
@@ -100,31 +140,45 @@ class EncoderDecoder(nn.Module):
     self.decoder = Stack(cfg, cfg.num_layers, causal=True, cross=True, name="decoder")
     if not cfg.tie_output:
       self.logits = layers.dense(cfg, cfg.vocab_size, ("embed", "vocab"), use_bias=False, name="logits")
+    self.logits_bias = _logits_bias(self, cfg)
 
   def encode(self, inputs, inputs_segmentation=None, inputs_position=None, deterministic=True):
     """inputs [batch, src_len] -> encoded [batch, src_len, d_model]."""
-    segment = _default_segments(inputs, inputs_segmentation)
+    segment = _default_segments(inputs, inputs_segmentation, self.cfg.pad_id)
     position = _default_positions(inputs, inputs_position)
     return self.encoder(self.embed(inputs), segment, position, deterministic=deterministic)
 
   def decode(self, encoded, inputs_segmentation, decoder_inputs, targets_segmentation=None,
-             targets_position=None, deterministic=True, decode=False):
-    """Decoder pass -> logits [batch, tgt_len, vocab]. With decode=True it uses the KV cache."""
-    segment = _default_segments(decoder_inputs, targets_segmentation)
+             targets_position=None, deterministic=True, decode=False, project=True):
+    """Decoder pass -> logits [batch, tgt_len, vocab]. With decode=True it uses the KV cache.
+
+    project=False returns the final hidden states [batch, tgt_len, d_model] instead (the
+    chunked loss projects them itself, see `output_weight`).
+    """
+    if targets_segmentation is None and self.cfg.bos_id == self.cfg.pad_id:
+      # The decoder starts with the pad token (Marian): like HF, no padding mask by default;
+      # with right padding a causal query never sees a pad key anyway.
+      targets_segmentation = jnp.ones_like(decoder_inputs, jnp.int32)
+    segment = _default_segments(decoder_inputs, targets_segmentation, self.cfg.pad_id)
     position = _default_positions(decoder_inputs, targets_position)
     x = self.decoder(self.decoder_embed(decoder_inputs), segment, position, encoded,
                      inputs_segmentation, deterministic, decode)
-    if self.cfg.tie_output:
-      return self.decoder_embed.attend(x)
-    return self.logits(x).astype(jnp.float32)
+    if not project:
+      return x
+    logits = self.decoder_embed.attend(x) if self.cfg.tie_output else self.logits(x).astype(jnp.float32)
+    return logits if self.logits_bias is None else logits + self.logits_bias
+
+  def output_weight(self):
+    """The vocabulary projection: ((weight, logits bias or None), einsum spec) for `layers.project_logits`."""
+    return _output_weight(self.cfg, self.decoder_embed, self)
 
   def __call__(self, inputs, decoder_inputs, inputs_segmentation=None, targets_segmentation=None,
-               inputs_position=None, targets_position=None, deterministic=True, decode=False):
-    """Teacher-forced forward pass -> logits [batch, tgt_len, vocab]."""
-    inputs_segmentation = _default_segments(inputs, inputs_segmentation)
+               inputs_position=None, targets_position=None, deterministic=True, decode=False, project=True):
+    """Teacher-forced forward pass -> logits [batch, tgt_len, vocab] (project=False: hidden states)."""
+    inputs_segmentation = _default_segments(inputs, inputs_segmentation, self.cfg.pad_id)
     encoded = self.encode(inputs, inputs_segmentation, inputs_position, deterministic)
     return self.decode(encoded, inputs_segmentation, decoder_inputs, targets_segmentation,
-                       targets_position, deterministic, decode)
+                       targets_position, deterministic, decode, project)
 
 
 class DecoderOnly(nn.Module):
@@ -141,17 +195,58 @@ class DecoderOnly(nn.Module):
     self.decoder = Stack(cfg, cfg.num_layers, causal=True, name="decoder")
     if not cfg.tie_output:
       self.logits = layers.dense(cfg, cfg.vocab_size, ("embed", "vocab"), use_bias=False, name="logits")
+    self.logits_bias = _logits_bias(self, cfg)
 
-  def __call__(self, inputs, segment_ids=None, positions=None, deterministic=True, decode=False):
+  def __call__(self, inputs, segment_ids=None, positions=None, deterministic=True, decode=False,
+               last_only=False, project=True):
+    """-> logits [batch, length, vocab]; last_only: the last position's only, [batch, 1, vocab];
+    project=False: the final hidden states [batch, length, d_model]."""
     # Token 0 may be a real token (e.g. a character) for LMs, so segments default to all ones.
     segment = jnp.ones_like(inputs, jnp.int32) if segment_ids is None else segment_ids
     position = _default_positions(inputs, positions)
     x = self.decoder(self.embed(inputs), segment, position, deterministic=deterministic, decode=decode)
-    if self.cfg.tie_output:
-      return self.embed.attend(x)
-    return self.logits(x).astype(jnp.float32)
+    if last_only:  # sampling needs the next token's logits only; XLA does not push the slice into the matmul
+      x = x[:, -1:]
+    if not project:
+      return x
+    logits = self.embed.attend(x) if self.cfg.tie_output else self.logits(x).astype(jnp.float32)
+    return logits if self.logits_bias is None else logits + self.logits_bias
+
+  def output_weight(self):
+    """The vocabulary projection: ((weight, logits bias or None), einsum spec) for `layers.project_logits`."""
+    return _output_weight(self.cfg, self.embed, self)
+
+
+def _output_weight(cfg, embed, model):
+  """The tied embedding table [vocab, d_model] or the `logits` kernel [d_model, vocab], with the
+  logits bias [vocab] (None without one) and the einsum spec."""
+  if cfg.tie_output:
+    return (embed.embedding, model.logits_bias), "nd,vd->nv"
+  return (model.logits.variables["params"]["kernel"], model.logits_bias), "nd,dv->nv"
 
 
 def build_model(cfg: ModelConfig):
   """The model class the config names."""
   return EncoderDecoder(cfg) if cfg.arch == "encoder_decoder" else DecoderOnly(cfg)
+
+
+def convert_layers(tree, scan_layers):
+  """A tree of parameters (or of anything laid out like them: optimizer moments, a train
+  state) in the unrolled layout, `layer_0` ... `layer_{n-1}` under each stack, or in the
+  `model.scan_layers` one, a single `layers` entry whose leaves are stacked on a leading
+  [n] axis: whichever `scan_layers` asks for. A tree already in that layout comes back as it is."""
+  if isinstance(tree, dict):
+    tree = {k: convert_layers(v, scan_layers) for k, v in tree.items()}
+    unrolled = sorted((int(k[6:]), k) for k in tree if re.fullmatch(r"layer_\d+", k))
+    if scan_layers and unrolled:
+      stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[tree.pop(k) for _, k in unrolled])
+      return {**tree, "layers": stacked}
+    if not scan_layers and "layers" in tree:
+      stacked = tree.pop("layers")
+      n = jax.tree.leaves(stacked)[0].shape[0]
+      return {**tree, **{f"layer_{i}": jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(n)}}
+    return tree
+  if isinstance(tree, (tuple, list)):  # optax states are (named) tuples
+    items = [convert_layers(v, scan_layers) for v in tree]
+    return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
+  return tree

@@ -31,9 +31,13 @@ def learning_rate_schedule(cfg: Config):
 
 
 def _decay_mask(params):
-  """Weight decay on matrices only (not biases, norms), as GPT-2/nanoGPT do."""
+  """Weight decay on matrices only (not biases, norms), as GPT-2/nanoGPT do; a layer's
+  parameters stacked by model.scan_layers have one more (leading) axis."""
   import jax
-  return jax.tree.map(lambda p: p.ndim >= 2, params)
+  def is_matrix(path, p):
+    stacked = any(getattr(k, "key", None) == "layers" for k in path)
+    return p.ndim - stacked >= 2
+  return jax.tree_util.tree_map_with_path(is_matrix, params)
 
 
 def build_optimizer(cfg: Config):

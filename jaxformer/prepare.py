@@ -10,7 +10,11 @@ Documents are read as a stream: local text (a document per file or per line; glo
 also reads local files through its "text"/"json" builders and `data.hub_data_files`).
 The tokenizer is trained once, on a seeded random sample of `data.tokenizer_sample_docs`
 training documents (reservoir sampling, so memory is bounded by the sample; a char vocabulary
-takes every character of the training text), and reused. `data.num_proc` worker processes
+takes every character of the training text), and reused; a converted model's tokenizer
+(`data.tokenizer=hf|marian`, from `jaxformer.convert` or `train.init_from`) is only loaded. Ids
+follow the model (`model.pad_id/bos_id/eos_id`): each LM document of a multi-document corpus ends
+in its EOS (and starts with its BOS under `data.add_bos`), and a tokenizer with a target side of
+its own (Marian) splits translation targets with it. `data.num_proc` worker processes
 tokenize chunks of documents; the main process writes them, in input order, as the shards
 `jaxformer.shards` describes. Memory is bounded by the chunks in flight (about 2 x num_proc x
 1 MiB of text), the sample, and the open shard's write buffers, whatever the corpus size.
@@ -75,7 +79,20 @@ def tokenizer_path(cfg, workdir):
     return d.tokenizer_path
   if d.tokenizer == "byte":
     return "byte"
-  return os.path.join(d.data_dir or workdir, "tokenizer.json" if d.tokenizer == "char" else "tokenizer.model")
+  json_kinds = ("char", "hf", "marian")  # ours (char), or a converted model's (see jaxformer.convert)
+  return os.path.join(d.data_dir or workdir, "tokenizer.json" if d.tokenizer in json_kinds else "tokenizer.model")
+
+
+def with_model_ids(cfg, tokenizer):
+  """`tokenizer` with the model's special ids (`Tokenizer.use_model_ids`: a tokenizer.json names none,
+  so it takes the config's; ids the tokenizer does define must equal the config's)."""
+  m = cfg.model
+  return tokenizer.use_model_ids(m.pad_id, m.bos_id, m.eos_id, "the config")
+
+
+def load_run_tokenizer(cfg, path):
+  """The tokenizer at `path`, with the model's special ids."""
+  return with_model_ids(cfg, tokenizer_lib.load_tokenizer(path))
 
 
 # ----------------------------------------------------------------------------
@@ -106,18 +123,34 @@ def _records(source, streams, split):
             yield r
 
 
+# Tokenizers that come with a converted model (jaxformer.convert, or data.tokenizer_path): loaded, never trained.
+LOAD_ONLY = ("hf", "marian")
+
+
+def existing_tokenizer(cfg, path):
+  """Loads the run's tokenizer when nothing needs training (byte, a file already at `path`, or a
+  converted model's hf/marian one, whose absence is a one-line error); None when it must be trained.
+  Checks a cached sentencepiece model's vocabulary size and every tokenizer's size against the model."""
+  d = cfg.data
+  if d.tokenizer == "byte" or d.tokenizer in LOAD_ONLY or os.path.isfile(path):
+    vocab = cfg.model.vocab_size if d.tokenizer not in ("char", "byte") else None
+    return tokenizer_lib.load_or_train_tokenizer(d.tokenizer, path, None, vocab)
+  return None
+
+
 def train_tokenizer(cfg, source, streams, path, log=print):
   """Trains the configured tokenizer on the training split if `path` does not exist yet.
 
   sentencepiece sees a seeded random sample of `data.tokenizer_sample_docs` documents (all
   fields of each record: source and target for translation); a char vocabulary is every
-  character of the training text (a sample could miss one). Byte needs nothing.
+  character of the training text (a sample could miss one). Byte needs nothing; hf and
+  marian tokenizers are only loaded (`existing_tokenizer`). Returns the tokenizer.
   """
   d = cfg.data
   vocab = cfg.model.vocab_size if d.tokenizer not in ("char", "byte") else None
-  if d.tokenizer == "byte" or os.path.isfile(path):
-    tokenizer_lib.load_or_train_tokenizer(d.tokenizer, path, None, vocab)  # checks a cached spm's vocab size
-    return
+  tok = existing_tokenizer(cfg, path)
+  if tok is not None:
+    return tok
   t = time.perf_counter()
   records = _records(source, streams, "train")
   if d.tokenizer == "char":
@@ -130,6 +163,7 @@ def train_tokenizer(cfg, source, streams, path, log=print):
   tok = tokenizer_lib.load_or_train_tokenizer(d.tokenizer, path, texts, vocab)
   log(f"trained a {d.tokenizer} tokenizer ({tok.vocab_size} ids) on {what} in {time.perf_counter() - t:.1f} s "
       f"-> {path}")
+  return tok
 
 
 def file_sha256(path):
@@ -147,28 +181,63 @@ def file_sha256(path):
 # Tokenizing: in this process or in worker processes.
 
 
-def encode_texts(tokenizer, texts, eos, dtype):
-  """Token ids of `texts` concatenated ([total] `dtype`) and their lengths ([len(texts)] int64),
-  EOS after each text when `eos`."""
-  if hasattr(tokenizer, "encode_array"):  # char, byte: numpy per text
+def encoding(cfg, tokenizer, tok_path, source):
+  """How records become ids, as a JSON-able dict (the worker processes get it as an argument).
+
+  tokenizer: `tok_path`, where `tokenizer` (with the model's ids) was loaded from; ids: the model's
+  (pad, bos, eos), which `Tokenizer.use_model_ids` gives a tokenizer that names none (a converted
+  tokenizer.json); eos / bos: the id that ends / starts each LM document, or None (one document:
+  nanoGPT's stream has neither; BOS only with data.add_bos, Llama's convention); targets: the
+  fields encoded with `encode_target` (a translation tokenizer with a target side of its own:
+  Marian's target.spm); dtype: the shards' token dtype.
+  """
+  m, lm = cfg.model, cfg.data.task == "lm"
+  own_target = type(tokenizer).encode_target is not tokenizer_lib.Tokenizer.encode_target
+  return {"tokenizer": tok_path, "ids": [m.pad_id, m.bos_id, m.eos_id],
+          "eos": tokenizer.eos_id if source.eos else None,
+          "bos": tokenizer.bos_id if lm and cfg.data.add_bos else None,
+          "targets": [f for f, name in enumerate(source.fields) if name == "tgt"] if own_target else [],
+          "dtype": shards.token_dtype(tokenizer.vocab_size).str}
+
+
+def load_encoder(spec):
+  """The tokenizer an `encoding` spec names, with its model ids."""
+  return tokenizer_lib.load_tokenizer(spec["tokenizer"]).use_model_ids(*spec["ids"], "the config")
+
+
+def encode_texts(tokenizer, texts, dtype, eos=None, bos=None, target=False):
+  """Token ids of `texts` concatenated ([total] `dtype`) and their lengths ([len(texts)] int64):
+  id `bos` before and id `eos` after each text when given; `target`: `encode_target`."""
+  if target:  # Marian's target side: sentencepiece pieces looked up one text at a time
+    parts = [tokenizer.encode_target(t) for t in texts]
+    ids = np.fromiter(itertools.chain.from_iterable(parts), np.int64, sum(map(len, parts)))
+  elif hasattr(tokenizer, "encode_array"):  # char, byte: numpy per text
     parts = [tokenizer.encode_array(t) for t in texts]
     ids = np.concatenate(parts) if parts else np.zeros(0, np.int32)
   else:
     parts = tokenizer.encode_batch(texts, num_threads=1)
     ids = np.fromiter(itertools.chain.from_iterable(parts), np.int64, sum(map(len, parts)))
   lengths = np.fromiter(map(len, parts), np.int64, len(parts))
-  if not eos:
+  if eos is None and bos is None:
     return ids.astype(dtype), lengths
-  lengths += 1
-  flat = np.full(int(lengths.sum()), tokenizer_lib.EOS_ID, dtype)
+  lengths += (eos is not None) + (bos is not None)
+  flat = np.empty(int(lengths.sum()), dtype)
   text = np.ones(len(flat), bool)
-  text[np.cumsum(lengths) - 1] = False  # each text's last slot holds its EOS
+  ends = np.cumsum(lengths)
+  if bos is not None:  # each text's first slot holds its BOS
+    flat[ends - lengths] = bos
+    text[ends - lengths] = False
+  if eos is not None:  # and its last slot its EOS
+    flat[ends - 1] = eos
+    text[ends - 1] = False
   flat[text] = ids
   return flat, lengths
 
 
-def _encode_chunk(tokenizer, columns, eos, dtype):
-  return [encode_texts(tokenizer, texts, eos, dtype) for texts in columns]
+def _encode_chunk(tokenizer, columns, spec):
+  dtype = np.dtype(spec["dtype"])
+  return [encode_texts(tokenizer, texts, dtype, spec["eos"], spec["bos"], f in spec["targets"])
+          for f, texts in enumerate(columns)]
 
 
 def _columns(chunk, num_fields):
@@ -184,11 +253,11 @@ class _Workers:
   result, which its worker produces next: no pipe can deadlock.
   """
 
-  def __init__(self, tok_path, eos, dtype, num_fields, n):
+  def __init__(self, spec, num_fields, n):
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's jaxformer, not another
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "jaxformer.prepare", "--worker", tok_path, str(int(eos)), np.dtype(dtype).str]
+    cmd = [sys.executable, "-m", "jaxformer.prepare", "--worker", json.dumps(spec)]
     self.num_fields = num_fields
     self.procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env) for _ in range(n)]
     self.queues = [queue.SimpleQueue() for _ in range(n)]
@@ -240,33 +309,43 @@ class _Workers:
       p.stdout.close()
 
 
-def _worker_main(tok_path, eos, dtype):
-  """A worker: pickled columns of texts in on stdin, ("ok", [(ids, lengths)]) out on stdout, until EOF."""
+def _worker_main(spec):
+  """A worker: pickled columns of texts in on stdin, ("ok", [(ids, lengths)]) out on stdout, until EOF.
+
+  `spec`: an `encoding` as JSON. Any tokenizer kind loads here (hf needs only the `tokenizers`
+  package, marian sentencepiece), and a load error is sent back like an encoding error.
+  """
   out, sys.stdout = sys.stdout.buffer, sys.stderr  # a stray print must not corrupt the pipe
-  tokenizer = tokenizer_lib.load_tokenizer(tok_path)
+  spec = json.loads(spec)
+  try:
+    tokenizer = load_encoder(spec)
+  except UserError as e:
+    tokenizer, error = None, str(e)
   while True:
     try:
       columns = pickle.load(sys.stdin.buffer)
     except EOFError:
       return
     try:
-      result = ("ok", _encode_chunk(tokenizer, columns, eos == "1", np.dtype(dtype)))
+      if tokenizer is None:
+        raise UserError(error)
+      result = ("ok", _encode_chunk(tokenizer, columns, spec))
     except UserError as e:
       result = ("error", str(e))
     pickle.dump(result, out, pickle.HIGHEST_PROTOCOL)
     out.flush()
 
 
-def _encoded(chunks, tok_path, eos, dtype, num_fields, num_proc):
+def _encoded(chunks, spec, num_fields, num_proc):
   """Yields (chunk, per-field (ids, lengths)) in order; workers only when there is more than one chunk."""
   chunks = iter(chunks)
   head = list(itertools.islice(chunks, 2))
   if num_proc <= 1 or len(head) < 2:
-    tokenizer = tokenizer_lib.load_tokenizer(tok_path)
+    tokenizer = load_encoder(spec)
     for chunk in itertools.chain(head, chunks):
-      yield chunk, _encode_chunk(tokenizer, _columns(chunk, num_fields), eos, dtype)
+      yield chunk, _encode_chunk(tokenizer, _columns(chunk, num_fields), spec)
     return
-  workers = _Workers(tok_path, eos, dtype, num_fields, num_proc)
+  workers = _Workers(spec, num_fields, num_proc)
   ok = False
   try:
     yield from workers.map(itertools.chain(head, chunks))
@@ -420,8 +499,9 @@ def _settings(cfg):
   """The config fields the shards depend on (besides tokenizer and source), by their override names."""
   d = cfg.data
   keys = ["data.task", "data.tokenizer", "data.shard_tokens"]
-  keys += (["data.doc_per", "data.text_field", "data.train_fraction"] if d.task == "lm"
-           else ["data.src_lang", "data.tgt_lang"])
+  # An LM's shards hold the model's EOS after each document (BOS before, with data.add_bos).
+  keys += (["data.doc_per", "data.text_field", "data.train_fraction", "data.add_bos", "model.bos_id", "model.eos_id"]
+           if d.task == "lm" else ["data.src_lang", "data.tgt_lang"])
   keys += ["model.vocab_size"] if d.tokenizer not in ("char", "byte") else []
   settings = {k: getattr(getattr(cfg, k.split(".")[0]), k.split(".")[1]) for k in keys}
   return {**settings, "split_seed": sources.SEED}
@@ -466,9 +546,12 @@ def prepare(cfg, workdir, log=print, source=None):
   d = cfg.data
   ddir, tok_path = data_dir(cfg, workdir), tokenizer_path(cfg, workdir)
   source = source or sources.make_source(cfg)
+  # A tokenizer that needs no training is loaded first: a converted model's missing one is one line, at once.
+  tokenizer = existing_tokenizer(cfg, tok_path)
   streams = source.open()  # before anything is written: a source that cannot be read leaves no trace
-  train_tokenizer(cfg, source, streams, tok_path, log)
-  tokenizer = tokenizer_lib.load_tokenizer(tok_path)
+  if tokenizer is None:
+    tokenizer = train_tokenizer(cfg, source, streams, tok_path, log)
+  spec = encoding(cfg, with_model_ids(cfg, tokenizer), tok_path, source)
   os.makedirs(ddir, exist_ok=True)
   with open(os.path.join(ddir, ".lock"), "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)  # another run preparing the same folder finishes first
@@ -478,7 +561,8 @@ def prepare(cfg, workdir, log=print, source=None):
                                                      "vocab_size": tokenizer.vocab_size},
               "source": source.fingerprint, "description": source.description, "settings": _settings(cfg),
               "dtype": shards.token_dtype(tokenizer.vocab_size).name, "eos": source.eos,
-              "fields": list(source.fields)}
+              "special_ids": {"eos": spec["eos"], "bos": spec["bos"]},
+              "target_side": [source.fields[f] for f in spec["targets"]], "fields": list(source.fields)}
     manifest = shards.read_manifest(ddir)
     if manifest is not None:
       _check(manifest, cfg, source, tok_path, ddir)
@@ -493,8 +577,7 @@ def prepare(cfg, workdir, log=print, source=None):
       log(f"prepare: resuming {ddir} after {sum(len(w.markers) for w in writers.values())} complete shards")
     t, stats = time.perf_counter(), {"chars": 0, "tokens": 0, "logged": time.perf_counter()}
     items = _items(source, streams, writers)
-    for chunk, columns in _encoded(_chunks(items), tok_path, source.eos, header["dtype"], len(source.fields),
-                                   d.num_proc):
+    for chunk, columns in _encoded(_chunks(items), spec, len(source.fields), d.num_proc):
       _dispatch(chunk, columns, writers)
       stats["chars"] += sum(len(text) for _, _, record in chunk for text in record)
       stats["tokens"] += sum(len(ids) for ids, _ in columns)
@@ -575,6 +658,6 @@ def main(argv):
 
 if __name__ == "__main__":
   if sys.argv[1:2] == ["--worker"]:
-    _worker_main(*sys.argv[2:5])
+    _worker_main(sys.argv[2])
   else:
     main()

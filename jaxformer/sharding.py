@@ -32,6 +32,7 @@ RULES = (
     ("kv", None),
     ("length", None),
     ("norm", None),
+    ("layers", None),  # model.scan_layers: the stacked layer axis; each device holds its share of every layer
 )
 
 

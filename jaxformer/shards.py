@@ -5,7 +5,9 @@ language model; `train`, `dev`, `test` for translation). A split is a sequence o
 shard k of a split stores, for each field (`text`, or `src` and `tgt`):
 
     shard-0000k.<field>.bin   the token ids of its documents, concatenated (uint16 when the
-                              vocabulary fits, else uint32); EOS ends each LM document
+                              vocabulary fits, else uint32); the model's EOS ends each LM
+                              document of a multi-document corpus (its BOS starts it
+                              with data.add_bos)
     shard-0000k.<field>.idx   int64 document offsets into the .bin [docs + 1], from 0
     shard-0000k.json          its marker: token and document counts, sha256 of each file,
                               and where in the input it ends (written last: a shard

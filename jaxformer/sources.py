@@ -45,11 +45,16 @@ def local_files(key, patterns):
   return files
 
 
-def load_translation_splits(cfg, names=("train", "dev", "test")):
+def load_translation_splits(cfg, need_train=True, names=None):
   """{"train": (src, tgt), "dev": ..., "test": ...} as lists of str (only `names`), held in memory.
 
   For the dev/test text that BLEU needs; training reads the prepared shards instead.
+  need_train=False (evaluation, e.g. of a converted model): train is neither read nor required,
+  so a local source may give only dev/test files. `names` overrides which splits are read
+  (train is required when it is among them).
   """
+  if names is None:
+    names = ("train", "dev", "test") if need_train else ("dev", "test")
   d = cfg.data
   if d.source == "synthetic":
     en, de = synthetic.numbers_corpus(d.synthetic_size, seed=0)

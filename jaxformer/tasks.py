@@ -1,19 +1,24 @@
 """The two tasks the one training loop serves: translation and language modelling.
 
 A task owns its data (text -> tokenizer -> token shards prepared once on disk by
-`jaxformer.prepare` -> static-shape batches read through memory maps) and its loss. Batches are pure functions of the step (`train_batch(step)`), which makes
+`jaxformer.prepare` -> static-shape batches read through memory maps, with the model's special
+ids) and its loss. Batches are pure functions of the step (`train_batch(step)`), which makes
 resuming exact without any iterator state.
 """
 
+import functools
+import math
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxformer import data as data_lib
+from jaxformer import layers
 from jaxformer import losses
 from jaxformer import prepare
 from jaxformer import shards
 from jaxformer import sources
-from jaxformer import tokenizer as tokenizer_lib
 from jaxformer.config import Config
 from jaxformer.errors import UserError
 
@@ -37,7 +42,7 @@ class TranslationTask:
     self.cfg = cfg
     manifest = prepare.ensure_prepared(cfg, workdir, log)
     self.tokenizer_path = tokenizer_path(cfg, workdir)
-    self.tokenizer = tokenizer_lib.load_tokenizer(self.tokenizer_path)
+    self.tokenizer = tok = prepare.load_run_tokenizer(cfg, self.tokenizer_path)
     if self.tokenizer.vocab_size > cfg.model.vocab_size:
       raise UserError(f"tokenizer has {self.tokenizer.vocab_size} ids but model.vocab_size="
                       f"{cfg.model.vocab_size}")
@@ -52,8 +57,9 @@ class TranslationTask:
     kept, counts = data_lib.filter_pairs(*self.ids["train"], d.max_len)
     log(f"train pairs: {counts['kept']:,} kept, {counts['empty']:,} empty and "
         f"{counts['too_long']:,} longer than {d.max_len - 1} tokens dropped")
+    special = {"pad_id": tok.pad_id, "bos_id": tok.bos_id, "eos_id": tok.eos_id}
     self.train = data_lib.Batcher(*self.ids["train"], d.tokens_per_batch, d.max_len, seed=cfg.train.seed,
-                                  batch_multiple=multiple, indices=kept, part=part)
+                                  batch_multiple=multiple, indices=kept, part=part, **special)
     self.eval = {}
     for split in ("dev", "test"):
       if split in self.ids:
@@ -64,7 +70,7 @@ class TranslationTask:
         eval_max = max(d.max_len, need)
         self.eval[split] = data_lib.Batcher(src, tgt, max(d.tokens_per_batch // 2, eval_max * batch_multiple),
                                             eval_max, shuffle=False, batch_multiple=batch_multiple,
-                                            buckets=tuple(sorted(set(buckets))), part=part)
+                                            buckets=tuple(sorted(set(buckets))), part=part, **special)
     log(f"train: {self.train.steps_per_epoch:,} batches per epoch, shapes {self.train.shapes()}, "
         f"padding {100 * self.train.padding_fraction():.1f}%")
 
@@ -72,7 +78,7 @@ class TranslationTask:
   def splits(self):
     """The dev/test text, {"dev": (sources, references), ...}: read on first use (BLEU needs it)."""
     if self._splits is None:
-      self._splits = load_translation_splits(self.cfg, tuple(n for n in ("dev", "test") if n in self.ids))
+      self._splits = load_translation_splits(self.cfg, names=tuple(n for n in ("dev", "test") if n in self.ids))
     return self._splits
 
   def train_batch(self, step):
@@ -93,12 +99,10 @@ class TranslationTask:
   @staticmethod
   def loss(model, params, batch, rngs, deterministic, label_smoothing):
     """(smoothed loss sum, NLL sum, target token count) of a teacher-forced batch."""
-    logits = model.apply({"params": params}, batch["inputs"], batch["decoder_inputs"],
-                         batch["inputs_segmentation"], batch["targets_segmentation"],
-                         batch["inputs_position"], batch["targets_position"],
-                         deterministic=deterministic, rngs=rngs)
+    args = (batch["inputs"], batch["decoder_inputs"], batch["inputs_segmentation"], batch["targets_segmentation"],
+            batch["inputs_position"], batch["targets_position"])
     weights = batch["targets_segmentation"].astype(jnp.float32)
-    return losses.cross_entropy(logits, batch["targets"], weights, label_smoothing)
+    return model_loss(model, params, args, rngs, deterministic, batch["targets"], weights, label_smoothing)
 
   @staticmethod
   def init_inputs(batch):
@@ -119,7 +123,7 @@ class LMTask:
     self.cfg = cfg
     manifest = prepare.ensure_prepared(cfg, workdir, log)
     self.tokenizer_path = tokenizer_path(cfg, workdir)
-    self.tokenizer = tokenizer_lib.load_tokenizer(self.tokenizer_path)
+    self.tokenizer = prepare.load_run_tokenizer(cfg, self.tokenizer_path)
     if self.tokenizer.vocab_size > cfg.model.vocab_size:
       raise UserError(f"the {d.tokenizer} tokenizer has {self.tokenizer.vocab_size} ids but "
                       f"model.vocab_size={cfg.model.vocab_size}; set model.vocab_size={self.tokenizer.vocab_size}")
@@ -130,10 +134,10 @@ class LMTask:
     if d.batch_size % batch_multiple or d.batch_size % cfg.optim.grad_accum_steps:
       raise UserError(f"data.batch_size={d.batch_size} must be a multiple of the data-parallel size "
                       f"({batch_multiple}) and of optim.grad_accum_steps ({cfg.optim.grad_accum_steps})")
-    if d.packing == "packed":
+    if d.packing == "packed":  # segments from the stored document offsets
       batcher = data_lib.PackedLMBatcher
-    else:  # random windows: segments from EOS (a single document has none), as before shards existed
-      batcher = data_lib.LMBatcher
+    else:  # random windows: segments start after the model's EOS (a single document has none), as before shards
+      batcher = functools.partial(data_lib.LMBatcher, eos_id=self.tokenizer.eos_id)
     self.train = batcher(self.train_stream, d.block_size, d.batch_size, seed=cfg.train.seed, part=part)
     self.val = batcher(self.val_stream, d.block_size, d.batch_size, seed=cfg.train.seed + 1, part=part)
     log(f"lm: {len(self.train_stream):,} train tokens, {len(self.val_stream):,} val tokens, "
@@ -166,14 +170,33 @@ class LMTask:
 
   @staticmethod
   def loss(model, params, batch, rngs, deterministic, label_smoothing):
-    logits = model.apply({"params": params}, batch["inputs"], batch.get("segment_ids"),
-                         batch.get("positions"), deterministic=deterministic, rngs=rngs)
+    args = (batch["inputs"], batch.get("segment_ids"), batch.get("positions"))
     weights = jnp.ones(batch["targets"].shape, jnp.float32)
-    return losses.cross_entropy(logits, batch["targets"], weights, label_smoothing)
+    return model_loss(model, params, args, rngs, deterministic, batch["targets"], weights, label_smoothing)
 
   @staticmethod
   def init_inputs(batch):
     return (batch["inputs"],)
+
+
+def model_loss(model, params, args, rngs, deterministic, targets, weights, label_smoothing):
+  """`losses.cross_entropy` of `model.apply(params, *args)` against targets, weights [batch, length].
+
+  With model.logits_chunk set (or automatic, see `losses.logits_chunk`) the model stops
+  at its final hidden states and `losses.chunked_cross_entropy` projects them a chunk at
+  a time, so the whole logits never exist.
+  """
+  variables = {"params": params}
+  mesh = jax.sharding.get_abstract_mesh()  # the batch is split over data x fsdp while a step is traced
+  batch_shards = math.prod(mesh.shape.get(axis, 1) for axis in ("data", "fsdp")) if mesh.shape else 1
+  chunk = losses.logits_chunk(model.cfg.logits_chunk, targets.size, model.cfg.vocab_size, batch_shards)
+  if not chunk:
+    logits = model.apply(variables, *args, deterministic=deterministic, rngs=rngs)
+    return losses.cross_entropy(logits, targets, weights, label_smoothing)
+  hidden = model.apply(variables, *args, deterministic=deterministic, rngs=rngs, project=False)
+  weights_and_bias, spec = model.apply(variables, method="output_weight")
+  project = lambda h, wb: layers.project_logits(h, wb[0], spec, model.cfg, bias=wb[1])
+  return losses.chunked_cross_entropy(hidden, weights_and_bias, targets, weights, label_smoothing, chunk, project)
 
 
 def make_task(cfg: Config, workdir, batch_multiple=1, log=print, part=None):

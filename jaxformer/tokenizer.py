@@ -1,6 +1,6 @@
-"""Tokenizers with one id convention: PAD=0, BOS=1, EOS=2 (UNK=3 for spm).
+"""Tokenizers. Ours share one id convention: PAD=0, BOS=1, EOS=2 (UNK=3 for spm).
 
-Three implementations share the `Tokenizer` interface:
+Three implementations of ours share the `Tokenizer` interface:
 
 * `SentencePieceTokenizer`: a joint (source + target) BPE/unigram `.model`.
 * `CharTokenizer`: the sorted distinct characters of the training text, stored
@@ -12,8 +12,20 @@ Three implementations share the `Tokenizer` interface:
   `lm_token_stream(..., add_eos=False)`, so losses stay comparable to
   nanoGPT's 65-way char model).
 * `ByteTokenizer`: UTF-8 bytes, byte b -> id b + 3 (vocab 259); no training.
+
+Imported models (`jaxformer.convert`) bring their own ids, which the model config
+records (`model.pad_id`, `bos_id`, `eos_id`) and `Tokenizer.use_model_ids` checks:
+
+* Llama-1/2 sentencepiece models load as `SentencePieceTokenizer` (unk 0, bos 1,
+  eos 2, no pad).
+* `HFTokenizer`: a Hugging Face `tokenizer.json` (GPT-2's and Llama 3's byte-level
+  BPE) through the `tokenizers` package.
+* `MarianTokenizer`: OPUS-MT's source.spm / target.spm / vocab.json, packed into
+  one JSON file; pieces from the source model (targets: the target model), ids
+  from the vocabulary, as transformers' MarianTokenizer does.
 """
 
+import base64
 import json
 import os
 import tempfile
@@ -27,7 +39,11 @@ NUM_SPECIALS = 3  # PAD, BOS, EOS; char/byte ids start after them.
 
 
 class Tokenizer:
-  """Text <-> ids. Subclasses implement `encode` and `_decode_clean`."""
+  """Text <-> ids. Subclasses implement `encode` and `_decode_clean`.
+
+  pad_id / bos_id / eos_id: None where the tokenizer file defines none (Llama has no
+  pad; a tokenizer.json names no ids); `use_model_ids` then fills them in.
+  """
 
   pad_id, bos_id, eos_id = PAD_ID, BOS_ID, EOS_ID
   vocab_size: int
@@ -35,6 +51,10 @@ class Tokenizer:
   def encode(self, text):
     """Returns the ids of `text` (list[int]) without BOS/EOS."""
     raise NotImplementedError
+
+  def encode_target(self, text):
+    """The ids of target-side text (translation); only Marian's differ from `encode`."""
+    return self.encode(text)
 
   def encode_batch(self, texts, num_threads=1):
     """Returns `[encode(t) for t in texts]`; subclasses may do it faster."""
@@ -44,16 +64,31 @@ class Tokenizer:
   def decode(self, ids):
     """Returns the text of ids [len]: stops at the first EOS, drops PAD/BOS."""
     ids = [int(i) for i in ids]
-    if EOS_ID in ids:
-      ids = ids[:ids.index(EOS_ID)]
-    return self._decode_clean([i for i in ids if i not in (PAD_ID, BOS_ID)])
+    if self.eos_id in ids:
+      ids = ids[:ids.index(self.eos_id)]
+    return self._decode_clean([i for i in ids if i not in (self.pad_id, self.bos_id)])
 
   def _decode_clean(self, ids):
     raise NotImplementedError
 
+  def use_model_ids(self, pad_id, bos_id, eos_id, where="the model"):
+    """Adopts the model's special ids where the tokenizer has none; a different one is a UserError."""
+    for name, want in (("pad_id", pad_id), ("bos_id", bos_id), ("eos_id", eos_id)):
+      have = getattr(self, name)
+      if have is None:
+        setattr(self, name, want)
+      elif have != want:
+        raise UserError(f"the tokenizer's {name} is {have} but {where} has model.{name}={want}: "
+                        f"wrong tokenizer for this model (or set model.{name}={have})")
+    return self
+
 
 class SentencePieceTokenizer(Tokenizer):
-  """A trained sentencepiece `.model` (see `train_sentencepiece`)."""
+  """A sentencepiece `.model`: ours (see `train_sentencepiece`) or Llama-1/2's.
+
+  The special ids are the model's own (ours: pad 0, bos 1, eos 2; Llama: unk 0, bos 1,
+  eos 2 and no pad, so pad_id is None until `use_model_ids`).
+  """
 
   def __init__(self, model_path):
     import sentencepiece as spm  # Lazy: only spm users need the extension.
@@ -62,11 +97,8 @@ class SentencePieceTokenizer(Tokenizer):
       raise UserError(f"sentencepiece model {model_path} not found")
     self.path = model_path
     self.sp = spm.SentencePieceProcessor(model_file=model_path)
-    if (self.sp.pad_id(), self.sp.bos_id(), self.sp.eos_id()) != (
-        PAD_ID, BOS_ID, EOS_ID):
-      raise UserError(
-          f"{model_path} was not trained with pad/bos/eos ids 0/1/2; retrain "
-          "it with jaxformer.tokenizer.train_sentencepiece")
+    self.pad_id, self.bos_id, self.eos_id = (None if i < 0 else i for i in
+                                             (self.sp.pad_id(), self.sp.bos_id(), self.sp.eos_id()))
     self.vocab_size = self.sp.vocab_size()
 
   def encode(self, text):
@@ -162,15 +194,142 @@ class ByteTokenizer(Tokenizer):
         "utf-8", errors="replace")
 
 
+class HFTokenizer(Tokenizer):
+  """A Hugging Face `tokenizer.json` (e.g. GPT-2's and Llama 3's byte-level BPE), run by `tokenizers`.
+
+  encode = `encode(text, add_special_tokens=False).ids`, decode = `decode(ids)`, as
+  transformers' fast tokenizers do. The file names no special ids: `use_model_ids` sets them.
+  """
+
+  pad_id = bos_id = eos_id = None
+
+  def __init__(self, path):
+    from tokenizers import Tokenizer as _Tokenizer  # Lazy: only imported models need it.
+    self.path = os.fspath(path)
+    try:
+      self.tok = _Tokenizer.from_file(self.path)
+    except Exception as e:  # the Rust side raises a plain Exception on a bad file
+      raise UserError(f"{self.path} is not a Hugging Face tokenizer.json: {str(e).splitlines()[0]}") from e
+    self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+
+  def encode(self, text):
+    return self.tok.encode(text, add_special_tokens=False).ids
+
+  def encode_batch(self, texts, num_threads=-1):
+    del num_threads  # tokenizers uses its own Rust thread pool
+    return [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
+
+  def _decode_clean(self, ids):
+    return self.tok.decode(ids, skip_special_tokens=False)
+
+
+class MarianTokenizer(Tokenizer):
+  """OPUS-MT's tokenizer: sentencepiece pieces looked up in a vocabulary (transformers' MarianTokenizer).
+
+  Sources are split by source.spm, targets (`encode_target`) by target.spm; unknown pieces
+  get <unk>'s id. A leading language code such as `>>de<<` is one token. Decoding maps ids
+  to pieces, drops the special ones (<unk> too, as `decode(ids, skip_special_tokens=True)`)
+  and joins them with target.spm. pad = decoder start; eos ends every source.
+  Stored as one JSON file {"type": "marian", "vocab", "source_spm", "target_spm"} (the
+  models base64-encoded), so a workdir's tokenizer is one file like every other kind.
+  """
+
+  def __init__(self, vocab, source_spm, target_spm, path=None):
+    import sentencepiece as spm
+    self.path = path
+    self.vocab = dict(vocab)
+    self.pieces = {i: p for p, i in self.vocab.items()}
+    self.source_spm_bytes, self.target_spm_bytes = source_spm, target_spm
+    self.source = spm.SentencePieceProcessor(model_proto=source_spm)
+    self.target = spm.SentencePieceProcessor(model_proto=target_spm)
+    for token in ("<pad>", "</s>", "<unk>"):
+      if token not in self.vocab:
+        raise UserError(f"the Marian vocabulary {path or ''} has no {token} entry")
+    self.pad_id, self.eos_id, self.unk_id = self.vocab["<pad>"], self.vocab["</s>"], self.vocab["<unk>"]
+    self.bos_id = self.pad_id  # Marian has no BOS: the decoder starts with the pad token
+    self.specials = {"<pad>", "</s>", "<unk>"}
+    self.vocab_size = len(self.vocab)
+
+  @classmethod
+  def from_hf_dir(cls, directory):
+    """Reads a Hugging Face Marian folder: source.spm, target.spm, vocab.json."""
+    files = [os.path.join(directory, f) for f in ("source.spm", "target.spm", "vocab.json")]
+    missing = [os.path.basename(f) for f in files if not os.path.isfile(f)]
+    if missing:
+      raise UserError(f"{directory} lacks the Marian tokenizer file(s) {', '.join(missing)}")
+    if os.path.isfile(os.path.join(directory, "target_vocab.json")):
+      raise UserError(f"{directory} has separate source and target vocabularies (target_vocab.json): "
+                      "not supported")
+    with open(files[0], "rb") as f:
+      source = f.read()
+    with open(files[1], "rb") as f:
+      target = f.read()
+    with open(files[2], encoding="utf-8") as f:
+      vocab = json.load(f)
+    return cls(vocab, source, target)
+
+  @classmethod
+  def load(cls, path, spec=None):
+    """Loads a file written by `save`."""
+    if spec is None:
+      with open(path, encoding="utf-8") as f:
+        spec = json.load(f)
+    return cls(spec["vocab"], base64.b64decode(spec["source_spm"]), base64.b64decode(spec["target_spm"]), path)
+
+  def save(self, path):
+    """Writes the packed JSON file."""
+    spec = {"type": "marian", "vocab": self.vocab,
+            "source_spm": base64.b64encode(self.source_spm_bytes).decode(),
+            "target_spm": base64.b64encode(self.target_spm_bytes).decode()}
+    _atomic_write(path, json.dumps(spec, ensure_ascii=False).encode())
+
+  def save_hf(self, directory):
+    """Writes source.spm, target.spm and vocab.json (the Hugging Face layout)."""
+    _atomic_write(os.path.join(directory, "source.spm"), self.source_spm_bytes)
+    _atomic_write(os.path.join(directory, "target.spm"), self.target_spm_bytes)
+    _atomic_write(os.path.join(directory, "vocab.json"), json.dumps(self.vocab, ensure_ascii=False, indent=2).encode())
+
+  def _encode(self, text, sp):
+    code = []
+    if text.startswith(">>") and (end := text.find("<<")) != -1:  # a target-language token, e.g. >>de<<
+      code, text = [text[:end + 2]], text[end + 2:]
+    return [self.vocab.get(p, self.unk_id) for p in code + sp.encode(text, out_type=str)]
+
+  def encode(self, text):
+    return self._encode(text, self.source)
+
+  def encode_target(self, text):
+    return self._encode(text, self.target)
+
+  def _decode_clean(self, ids):
+    # As transformers' decode(ids, skip_special_tokens=True): specials (<unk> too) are dropped,
+    # the pieces joined by sentencepiece, then "\u2581" -> " " and stripped.
+    pieces = [self.pieces.get(i, "<unk>") for i in ids]
+    text = self.target.decode_pieces([p for p in pieces if p not in self.specials])
+    return text.replace("\u2581", " ").strip()
+
+
 def load_tokenizer(path):
-  """Loads a tokenizer from `path`: `*.model` (spm), `*.json` (char), "byte"."""
+  """Loads a tokenizer from `path`: `*.model` (spm), `*.json` (ours: char, marian; else a HF tokenizer.json), "byte"."""
   path = os.fspath(path)
   if path == "byte":
     return ByteTokenizer()
   if not os.path.isfile(path):
     raise UserError(f"tokenizer file {path} not found")
   if path.endswith(".json"):
-    return CharTokenizer.load(path)
+    with open(path, encoding="utf-8") as f:
+      try:
+        spec = json.load(f)
+      except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON: {e}") from e
+    kind = spec.get("type") if isinstance(spec, dict) else None
+    if kind == "char":
+      return CharTokenizer.load(path)
+    if kind == "marian":
+      return MarianTokenizer.load(path, spec)
+    if isinstance(spec, dict) and "model" in spec:
+      return HFTokenizer(path)
+    raise UserError(f"{path} is neither a jaxformer tokenizer (char, marian) nor a Hugging Face tokenizer.json")
   return SentencePieceTokenizer(path)
 
 
@@ -266,7 +425,8 @@ def load_or_train_tokenizer(kind, path, texts, vocab_size=None):
   """Loads the tokenizer at `path`, training it on `texts` on first use.
 
   Args:
-    kind: "sentencepiece" (= "bpe"), "unigram", "char" or "byte".
+    kind: "sentencepiece" (= "bpe"), "unigram", "char", "byte", or "hf" / "marian"
+      (load only: a converted model's tokenizer.json).
     path: the `.model` (spm) or `.json` (char) file; ignored for "byte".
     texts: file paths or strings to train on (only read when training).
     vocab_size: requested size; required for spm, whose cached model must
@@ -285,6 +445,11 @@ def load_or_train_tokenizer(kind, path, texts, vocab_size=None):
     else:
       tok = CharTokenizer.train(_iter_chunks(texts))
       tok.save(path)
+  elif kind in ("hf", "marian"):  # imported with a model (jaxformer.convert): never trained here
+    if not os.path.isfile(path):
+      raise UserError(f"{kind} tokenizer {path} not found: it comes with a converted model "
+                      "(python -m jaxformer.convert; train.init_from=WORKDIR copies it)")
+    tok = load_tokenizer(path)
   elif kind in ("sentencepiece", "bpe", "unigram"):
     if not vocab_size:
       raise UserError("a sentencepiece tokenizer needs vocab_size")
@@ -299,7 +464,7 @@ def load_or_train_tokenizer(kind, path, texts, vocab_size=None):
           f"{vocab_size} was requested; delete it to retrain or fix vocab_size")
     return tok
   else:
-    kinds = ("sentencepiece", "unigram", "char", "byte")
+    kinds = ("sentencepiece", "unigram", "char", "byte", "hf", "marian")
     raise UserError(f"unknown tokenizer kind '{kind}'{closest(kind, kinds)}; "
                     f"use one of {', '.join(kinds)}")
   if vocab_size is not None and tok.vocab_size > vocab_size:

@@ -11,6 +11,7 @@ import argparse
 import functools
 import os
 import shlex
+import shutil
 import signal
 import sys
 import time
@@ -177,6 +178,8 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
   is_main = jax.process_index() == 0
   if not is_main:
     log = lambda *args, **kwargs: None  # One process speaks for the job.
+  if cfg.train.init_from and is_main:
+    copy_init_tokenizer(cfg, workdir, log)  # before setup, which loads (or would train) the tokenizer
   mesh, task, model, tx, schedule, init_fn, rng, abstract, state_sharding = setup(cfg, workdir, log)
   batch_sharding = sharding.batch_sharding(mesh)
 
@@ -189,6 +192,8 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
       raise UserError(f"tokenizer {task.tokenizer_path} is not the one checkpoint step {meta.get('step')} was "
                       "trained with (its hash differs): restore the original tokenizer or use a new --workdir")
     log(f"resumed from {ckpt.directory}/{ckpt.latest_step()} (step {int(state['step'])})")
+  elif cfg.train.init_from:  # fine-tuning: its own checkpoints (above) win once it has saved one
+    state = init_from_checkpoint(cfg, tx, abstract_unboxed, state_sharding, task.tokenizer_path, log)
   else:
     state = jax.jit(lambda r: nn.unbox(init_fn(r)), out_shardings=state_sharding)(rng)
   if is_main:  # only now: a command that fails above leaves the workdir as it was
@@ -258,7 +263,7 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
           sources, refs = task.splits["dev"]
           n = cfg.train.eval_bleu_sentences
           hyps = evaluate_lib.translate(model, state["params"], task.tokenizer, sources[:n], beam_size=1,
-                                        batch_size=cfg.decode.batch_size)
+                                        batch_size=cfg.decode.batch_size, suppress_pad=cfg.decode.suppress_pad)
           val["val_bleu"] = bleu.sacrebleu_scores(hyps, refs[:n])["bleu"]
         writer.write(step, val)
         log(f"step {step} | " + " | ".join(f"{k} {v:.4f}" for k, v in val.items() if k != "val_tokens"))
@@ -308,12 +313,60 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
 
 def sample_text(model, params, tokenizer, cfg, step, prompt="\n", max_new_tokens=200):
   """A short sample from a decoder-only model (temperature 0.8, top-k 200, as nanoGPT samples)."""
-  ids = tokenizer.encode(prompt) or [tokenizer.bos_id]
-  if cfg.model.position == "learned":  # the position table bounds the length
-    max_new_tokens = min(max_new_tokens, cfg.model.max_len - len(ids))
+  ids = ([tokenizer.bos_id] if cfg.data.add_bos else []) + tokenizer.encode(prompt) or [tokenizer.bos_id]
+  # Past a learned-position table the context slides (nanoGPT's crop); other positions grow the cache.
   tokens = decode.generate(model, params, [ids], max_new_tokens, jax.random.PRNGKey(step),
-                           temperature=0.8, top_k=200)
+                           temperature=0.8, top_k=200, max_cache_len=cfg.decode.max_cache_len)
   return prompt + tokenizer.decode(np.asarray(tokens[0]))
+
+
+def copy_init_tokenizer(cfg, workdir, log=print):
+  """train.init_from: the run uses that workdir's tokenizer, copied in (unless data.tokenizer_path names one).
+
+  Called before the task is made: data preparation then finds the tokenizer where it looks
+  (`tasks.tokenizer_path`: the workdir, or data.data_dir) and reuses it instead of training one.
+  """
+  if cfg.data.tokenizer_path:
+    return
+  source = cfg.train.init_from
+  saved = os.path.join(source, "config.json")  # where that run keeps its tokenizer (its data.data_dir, maybe)
+  source_cfg = (config_lib.load_config(saved) if os.path.isfile(saved)
+                else config_lib.replace(cfg, **{"data.data_dir": ""}))
+  mine, theirs = tasks.tokenizer_path(cfg, workdir), tasks.tokenizer_path(source_cfg, source)
+  if mine == "byte" or os.path.exists(mine) or not os.path.isfile(theirs):
+    return
+  os.makedirs(os.path.dirname(os.path.abspath(mine)), exist_ok=True)  # data.data_dir may not exist yet
+  shutil.copyfile(theirs, mine + ".tmp")
+  os.replace(mine + ".tmp", mine)
+  log(f"tokenizer: {theirs} (from train.init_from) -> {mine}")
+
+
+def init_from_checkpoint(cfg, tx, abstract, state_sharding, tokenizer_path, log=print):
+  """A fresh train state (step 0, a new optimizer) whose params are train.init_from's latest checkpoint.
+
+  `abstract` is the train state's ShapeDtypeStructs with shardings: params restore straight onto the mesh.
+  """
+  source = cfg.train.init_from
+  if not os.path.isdir(os.path.join(source, "checkpoints")):
+    raise UserError(f"train.init_from={source} has no checkpoints/: give a training workdir or one written by "
+                    "python -m jaxformer.convert")
+  with checkpoint_lib.Checkpointer(source, max_to_keep=None, async_save=False) as src:
+    if evaluate_lib.stored_scan_layers(src) == cfg.model.scan_layers:
+      params, meta = src.restore_params(abstract["params"])
+    else:  # e.g. a converted Hugging Face model (unrolled) fine-tuned with model.scan_layers=true
+      layout = config_lib.replace(cfg, **{"model.scan_layers": not cfg.model.scan_layers})
+      params, meta = src.restore_params(evaluate_lib.abstract_params(layout)[1])
+      params = model_lib.convert_layers(params, cfg.model.scan_layers)
+      log(f"converted {source}'s layers to the {'scanned' if cfg.model.scan_layers else 'unrolled'} layout")
+    where = f"{src.directory}/{meta.get('step')}"
+  if meta.get("tokenizer_sha256") not in (None, evaluate_lib.file_sha256(tokenizer_path)):
+    raise UserError(f"tokenizer {tokenizer_path} is not the one {where} was trained with (its hash differs): "
+                    "fine-tune with the tokenizer of train.init_from")
+  zero = jnp.zeros((), jnp.int32)
+  state = jax.jit(lambda p: {"step": zero, "params": p, "opt_state": tx.init(p), "skipped": zero},
+                  out_shardings=state_sharding)(params)
+  log(f"initialised from {where}: its params, a fresh optimizer, step 0")
+  return state
 
 
 def _under_mesh(mesh, jitted):

@@ -1,5 +1,6 @@
 """Tests for jaxformer.decode: beam search, greedy, sampling, prefix caching, all against full forward passes."""
 
+import dataclasses
 import functools
 import itertools
 
@@ -10,8 +11,11 @@ import numpy as np
 import pytest
 
 from jaxformer import decode
+from jaxformer import generate
 from jaxformer.config import load_config
+from jaxformer.errors import UserError
 from jaxformer.model import EncoderDecoder, build_model
+from jaxformer.tokenizer import CharTokenizer
 
 BOS, EOS = decode.BOS_ID, decode.EOS_ID
 
@@ -153,6 +157,30 @@ def test_beam_search_equals_exhaustive_search():
     np.testing.assert_allclose(scores[row, :10], want[order], rtol=1e-5, atol=1e-5)
 
 
+def test_suppress_pad_bans_the_pad_id_after_the_softmax():
+  # The token greedy decoding emits first becomes the pad id (Marian: pad = decoder start).
+  model, params, inputs, eos = _translate_setup("rope-gqa")
+  first = int(decode.greedy_translate(model, params, inputs, max_extra_len=4, eos_id=eos)[0, 0])
+  assert all(first not in s for s in SOURCES)
+  banned = build_model(dataclasses.replace(model.cfg, pad_id=first))
+  src = np.array([s + [first] * (5 - len(s)) for s in SOURCES], np.int32)  # padded with the new pad id
+  allowed = decode.greedy_translate(banned, params, jnp.asarray(src), max_extra_len=4, eos_id=eos)
+  assert int(allowed[0, 0]) == first                       # same model, same encoder padding: same choice
+  tokens, scores = decode.beam_search(banned, params, jnp.asarray(src), beam_size=1, alpha=0.0, max_extra_len=4,
+                                      eos_id=eos, suppress_pad=True)
+  greedy = decode.greedy_translate(banned, params, jnp.asarray(src), max_extra_len=4, eos_id=eos, suppress_pad=True)
+  np.testing.assert_array_equal(tokens[:, 0], greedy)
+  hyp = [int(t) for t in greedy[0]]
+  assert first not in hyp[:hyp.index(eos) + 1 if eos in hyp else len(hyp)]
+  # HF's order: log-probs over the whole vocabulary (pad included), then the ban; no renormalisation.
+  n = hyp.index(eos) + 1 if eos in hyp else len(SOURCES[0]) + 4
+  logits = _forward(banned)(params, jnp.asarray(src[:1]), jnp.asarray(_pad([[BOS] + hyp[:n - 1]], 9)))
+  logp = jax.nn.log_softmax(logits[0])
+  np.testing.assert_allclose(scores[0, 0], sum(logp[t, hyp[t]] for t in range(n)), atol=1e-4)
+  assert scores[0, 0] < sum(jax.nn.log_softmax(jnp.where(jnp.arange(logp.shape[-1]) == first, -jnp.inf,
+                                                           logits[0]))[t, hyp[t]] for t in range(n)) - 1e-3
+
+
 PROMPTS = [[5, 17, 3], [9, 8, 7, 6, 5, 4, 33], [11]]
 LMS = {"gpt2-learned-mha": ("gpt2_tiny", ()), "llama-rope-gqa": ("llama_tiny", ())}
 
@@ -227,3 +255,82 @@ def test_prefix_cache_matches_fresh_prefill(name):
   np.testing.assert_array_equal(got, [_lm_reference(model, params, f, n) for f in full])
   with pytest.raises(ValueError, match="slots"):
     decode.generate(model, params, PROMPTS, n + 1, jax.random.key(0), prefix_cache=cache)
+
+
+
+def _nanogpt_reference(model, params, prompts, n, block, eos_id=None):
+  """nanoGPT's `generate`, greedy: crop each row to its last `block` tokens, full forward without cache, argmax.
+
+  Rows run side by side, each right-padded to `block` (causal: the padding changes nothing).
+  A row stops after `eos_id`, then PAD, as `decode.generate` reports it.
+  """
+  seqs = [list(p) for p in prompts]
+  for _ in range(n):
+    crops = [s[-block:] for s in seqs]
+    logits = np.asarray(_forward(model)(params, jnp.asarray(_pad(crops, block))))
+    for s, p, crop, row in zip(seqs, prompts, crops, logits):
+      if len(s) == len(p) or s[-1] != eos_id:
+        s.append(int(np.argmax(row[len(crop) - 1])))
+  return [s[len(p):] + [0] * (len(p) + n - len(s)) for s, p in zip(seqs, prompts)]
+
+
+
+def test_sampling_past_the_learned_table_follows_nanogpt_crop():
+  # The baby GPT's shapes (max_len 64), random weights; 300 new tokens, batched prompts of different
+  # lengths, so rows fill the table at different steps (the longest after 35 tokens, the others later).
+  model, params = _setup("shakespeare_char")
+  prompts = [[5, 17, 3], list(range(10, 40)), [11]]
+  got = np.asarray(decode.generate(model, params, prompts, 300, jax.random.key(0), temperature=0))
+  np.testing.assert_array_equal(got, _nanogpt_reference(model, params, prompts, 300, 64))
+  assert all(len(set(row[100:])) > 10 for row in got)       # not stuck repeating a token
+  # The comparison can tell the crop's size: one token less of context changes every row's sample.
+  off_by_one = np.asarray(_nanogpt_reference(model, params, prompts, 80, 63))
+  assert (got[:, :80] != off_by_one).any(1).all()
+
+
+def test_sliding_window_eos_long_prompts_and_right_padded_input():
+  # A tiny table (16): prompts longer than it (cropped before the first token), EOS per row.
+  model, params = _setup("gpt2_tiny", ("model.max_len=16",), seed=3)
+  prompts = [[5, 17, 3], list(range(3, 23)), [11, 12]]      # widths 3, 20 (> 16), 2
+  n, eos = 60, 38
+  want = _nanogpt_reference(model, params, prompts, n, 16, eos_id=eos)
+  # This model emits the EOS first at new tokens 23, 37, 43: each row stops at its own step, past the table.
+  assert [int(np.argmax(np.asarray(row) == eos)) for row in want] == [23, 37, 43]
+  assert all(_stopped_at_eos(row, eos) for row in want)
+  got = decode.generate(model, params, prompts, n, jax.random.key(0), temperature=0, eos_id=eos)
+  np.testing.assert_array_equal(got, want)
+  padded = decode.generate(model, params, _pad(prompts, 20), n, jax.random.key(0), temperature=0, eos_id=eos,
+                           lengths=[len(p) for p in prompts])
+  np.testing.assert_array_equal(padded, want)
+  # Sampling past the table runs too, and is reproducible.
+  a = decode.generate(model, params, prompts, n, jax.random.key(3), temperature=1.0, top_k=20)
+  np.testing.assert_array_equal(a, decode.generate(model, params, prompts, n, jax.random.key(3), temperature=1.0,
+                                                   top_k=20))
+
+
+def test_rope_grows_the_cache_past_max_len_up_to_the_limit():
+  # RoPE has no table: model.max_len (16 here) does not bound a sample; the cache holds every token.
+  model, params = _setup("llama_tiny", ("model.max_len=16",))
+  n = 40
+  got = decode.generate(model, params, PROMPTS, n, jax.random.key(0), temperature=0, max_cache_len=46)
+  np.testing.assert_array_equal(got, [_lm_reference(model, params, p, n, width=48) for p in PROMPTS])
+  with pytest.raises(UserError, match=r"needs 47 KV-cache slots .* decode.max_cache_len=46"):
+    decode.generate(model, params, PROMPTS, n + 1, jax.random.key(0), max_cache_len=46)
+
+
+def test_prefix_cache_past_the_table_is_an_error_and_generate_text_prepends_it():
+  model, params = _setup("gpt2_tiny", ("model.max_len=16",))
+  prefix, n = [20, 21, 22, 23, 24], 10
+  cache = decode.prefill_prefix(model, params, prefix, batch=len(PROMPTS), max_len=5 + 7 + n - 1)
+  with pytest.raises(UserError, match="prefix cache cannot slide past the 16-position table"):
+    decode.generate(model, params, PROMPTS, n, jax.random.key(0), prefix_cache=cache)
+  # generate_text puts the prefix in each prompt instead, and says once that the context slides.
+  tokenizer = CharTokenizer("abcdefghijklmnopqrstuvwxyz")
+  cfg = load_config("gpt2_tiny", ["model.max_len=16"])
+  notes = []
+  text = generate.generate_text(model, params, tokenizer, cfg, ["ab", "hello"], n, temperature=0, prefix="xyz",
+                                stop_at_eos=False, log=notes.append)
+  assert notes == ["note: sampling past the 16-position table: each new token sees the last 16 tokens "
+                   "(nanoGPT's crop)"]
+  ids = [tokenizer.encode("xyz" + p) for p in ["ab", "hello"]]
+  assert text == [tokenizer.decode(row) for row in _nanogpt_reference(model, params, ids, n, 16)]

@@ -169,3 +169,60 @@ def test_cli_unknown_config_exits_2(capsys):
   assert exit_info.value.code == 2
   err = capsys.readouterr().err.strip()
   assert err.startswith("error: unknown config") and "\n" not in err
+
+
+_XLA_CHECK = r"""
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax
+from jaxformer import aot, config
+LLAMA = ["model.d_model=128", "model.num_heads=4", "model.num_kv_heads=2", "model.d_ff=384", "model.num_layers=4",
+         "model.vocab_size=512", "model.scan_layers=true"]
+ENCDEC = ["model.d_model=128", "model.d_ff=512", "model.num_layers=3", "model.vocab_size=512", "model.scan_layers=true"]
+CASES = [("llama_tiny", LLAMA, 32, (128,), ["mesh.data=8"]),
+         ("llama_tiny", LLAMA, 32, (128,), ["mesh.data=1", "mesh.fsdp=8", "model.remat=dots_saveable"]),
+         ("llama_tiny", LLAMA, 32, (128,), ["mesh.data=8", "model.remat=dots_with_no_batch_dims_saveable"]),
+         ("tiny_encdec", ENCDEC, 32, (48, 48), ["mesh.data=8"]),
+         ("tiny_encdec", ENCDEC, 32, (48, 48), ["mesh.data=1", "mesh.fsdp=8"]),
+         ("tiny_encdec", ENCDEC, 32, (48, 48), ["mesh.data=1", "mesh.fsdp=8", "model.remat=full"])]
+for name, overrides, rows, lengths, extra in CASES:
+  plan, xla, _ = aot.plan_vs_xla(config.load_config(name, overrides + extra), jax.devices(), rows, lengths)
+  print(name, " ".join(extra), plan["total"], xla["total"], xla["temp"])
+"""
+
+
+def test_memory_plan_within_15_percent_of_xla_on_8_simulated_devices():
+  """The real train step, compiled (not run) for 8 CPU devices: XLA's per-device bytes against the plan's."""
+  out = subprocess.run([sys.executable, "-c", _XLA_CHECK], cwd=ROOT, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  rows = [line.rsplit(" ", 3) for line in out.stdout.strip().splitlines()]
+  assert len(rows) == 6
+  for case, plan, xla, temp in rows:
+    plan, xla = int(plan), int(xla)
+    assert abs(plan / xla - 1) <= 0.15, (case, plan / 2**20, xla / 2**20)
+  # The remat policies really change what XLA keeps: full remat < none on the same mesh.
+  by_case = {case: int(xla) for case, _, xla, _ in rows}
+  assert by_case["tiny_encdec mesh.data=1 mesh.fsdp=8 model.remat=full"] < 0.6 * by_case["tiny_encdec mesh.data=1 mesh.fsdp=8"]
+
+
+def test_memory_plan_parts_and_cli():
+  cfg = load_config("llama3_8b", ["model.scan_layers=true", "model.remat=full"])
+  plan = inspect.memory_plan(cfg, "fsdp=64", 64, (8192,))
+  counts = inspect.count_parameters(cfg)
+  # Every llama3_8b weight matrix has an `embed` axis that 64 divides; norm scales are replicated.
+  assert plan["params"] == 4 * ((counts["total"] - counts["norms"]) // 64 + counts["norms"])
+  assert plan["optimizer"] == 2 * plan["params"] and plan["grads"] == plan["params"]
+  # Full remat keeps each layer's input [1, 8192, 4096] bf16 (+ what one layer recomputes).
+  assert plan["activations"] > 32 * 8192 * 4096 * 2
+  assert plan["total"] == sum(v for k, v in plan.items() if k != "total")
+  assert inspect.largest_batch(cfg, "fsdp=64", (8192,), 1e9) == 0
+  bigger = inspect.largest_batch(cfg, "fsdp=64", (8192,), 141e9)
+  assert bigger >= 1 and inspect.memory_plan(cfg, "fsdp=64", 64 * bigger, (8192,))["total"] <= 141e9
+  out = subprocess.run([sys.executable, "-m", "jaxformer.inspect", "--config", "gpt2_tiny", "--mesh", "data=2,fsdp=4",
+                        "--batch", "16"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr
+  assert "Training memory per device: mesh data=2 x fsdp=4 x tensor=1, batch 16" in out.stdout
+  assert "TPU v5p" in out.stdout and "largest batch per device" in out.stdout
+  bad = subprocess.run([sys.executable, "-m", "jaxformer.inspect", "--config", "gpt2_tiny", "--mesh", "fsdp"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert bad.returncode == 2 and "error: --mesh 'fsdp'" in bad.stderr

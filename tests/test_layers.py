@@ -339,6 +339,77 @@ def test_sinusoidal_values():
   assert concat[0, 1, 1] != pytest.approx(0.5403, abs=1e-3)
 
 
+def test_marian_sinusoid_matches_transformers_formula():
+  # transformers' MarianSinusoidalPositionalEmbedding.create_weight, written out in numpy.
+  n_pos, dim = 6, 10
+  enc = np.array([[pos / np.power(10000, 2 * (j // 2) / dim) for j in range(dim)] for pos in range(n_pos)])
+  want = np.concatenate([np.sin(enc[:, 0::2]), np.cos(enc[:, 1::2])], axis=1)
+  got = np.asarray(layers.sinusoidal(jnp.arange(n_pos)[None], dim, layout="marian"))[0]
+  np.testing.assert_allclose(got, want, atol=1e-6)
+  # The same numbers as the paper's, in another order; tensor2tensor's differ.
+  paper = np.asarray(layers.sinusoidal(jnp.arange(n_pos)[None], dim))[0]
+  np.testing.assert_allclose(got, np.concatenate([paper[:, 0::2], paper[:, 1::2]], 1), atol=1e-6)
+  assert not np.allclose(got, np.asarray(layers.sinusoidal(jnp.arange(n_pos)[None], dim, layout="concat"))[0])
+
+
+def _hf_yarn(d, theta, s, orig, beta_fast=32, beta_slow=1, truncate=True, attention_factor=None, mscale=None,
+             mscale_all_dim=None):
+  """transformers' _compute_yarn_parameters (modeling_rope_utils.py, v5.24), in numpy float64."""
+  def get_mscale(scale, m=1):
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+  if attention_factor is None:
+    attention_factor = (get_mscale(s, mscale) / get_mscale(s, mscale_all_dim) if mscale and mscale_all_dim
+                        else get_mscale(s))
+  def corr(rot):
+    return (d * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(theta))
+  low, high = corr(beta_fast), corr(beta_slow)
+  if truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, d - 1)
+  if low == high:
+    high += 0.001
+  ramp = np.clip((np.arange(d // 2) - low) / (high - low), 0, 1)
+  pos_freqs = theta ** (np.arange(0, d, 2) / d)
+  extrapolation = 1 - ramp
+  return (1 / (s * pos_freqs)) * (1 - extrapolation) + (1 / pos_freqs) * extrapolation, attention_factor
+
+
+def _hf_llama3(d, theta, s, orig, low_f, high_f):
+  """transformers' _compute_llama3_parameters, in numpy."""
+  inv = 1.0 / theta ** (np.arange(0, d, 2) / d)
+  wavelen = 2 * math.pi / inv
+  out = np.where(wavelen > orig / low_f, inv / s, inv)
+  smooth = (orig / wavelen - low_f) / (high_f - low_f)
+  mid = (1 - smooth) * out / s + smooth * out
+  medium = ~(wavelen < orig / high_f) & ~(wavelen > orig / low_f)
+  return np.where(medium, mid, out)
+
+
+@pytest.mark.parametrize("fields", [{}, {"rope_beta_fast": 16.0, "rope_beta_slow": 2.0},
+                                    {"rope_truncate": False}, {"rope_attention_factor": 1.3},
+                                    {"rope_mscale": 0.707, "rope_mscale_all_dim": 0.5}])
+def test_yarn_constants_match_transformers(fields):
+  cfg = ModelConfig(d_model=128, num_heads=2, position="rope", rope_scaling="yarn", rope_scaling_factor=8.0,
+                    rope_theta=5000.0, rope_original_max_len=256, **fields)
+  inv, scale = layers.rope_frequencies(cfg)
+  hf_names = {"rope_beta_fast": "beta_fast", "rope_beta_slow": "beta_slow", "rope_truncate": "truncate",
+              "rope_attention_factor": "attention_factor", "rope_mscale": "mscale",
+              "rope_mscale_all_dim": "mscale_all_dim"}
+  want_inv, want_scale = _hf_yarn(64, 5000.0, 8.0, 256, **{hf_names[k]: v for k, v in fields.items()})
+  np.testing.assert_allclose(inv, want_inv, rtol=1e-12)
+  assert scale == pytest.approx(want_scale, rel=1e-12)
+
+
+@pytest.mark.parametrize("low_f, high_f", [(1.0, 4.0), (2.0, 8.0)])
+def test_llama3_constants_match_transformers(low_f, high_f):
+  cfg = ModelConfig(d_model=256, num_heads=2, position="rope", rope_scaling="llama3", rope_scaling_factor=8.0,
+                    rope_theta=500000.0, rope_original_max_len=64, rope_low_freq_factor=low_f,
+                    rope_high_freq_factor=high_f)
+  inv, scale = layers.rope_frequencies(cfg)
+  np.testing.assert_allclose(inv, _hf_llama3(128, 500000.0, 8.0, 64, low_f, high_f), rtol=1e-12)
+  assert scale == 1.0
+
+
 def test_alibi_slopes():
   np.testing.assert_allclose(layers.alibi_slopes(8), [2.0 ** -i for i in range(1, 9)], rtol=1e-6)
   np.testing.assert_allclose(layers.alibi_slopes(4), [2.0 ** -i for i in (2, 4, 6, 8)], rtol=1e-6)
@@ -350,7 +421,7 @@ def test_alibi_slopes():
 # FFN and norms.
 
 
-@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_exact", "swiglu"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_exact", "silu", "swiglu"])
 def test_feedforward_matches_numpy(activation):
   cfg = ModelConfig(d_model=8, d_ff=16, activation=activation)
   ffn = layers.FeedForward(cfg)
@@ -365,6 +436,7 @@ def test_feedforward_matches_numpy(activation):
   else:
     hid = xn @ p["wi"]["kernel"] + p["wi"]["bias"]
     hidden = (np.maximum(hid, 0) if activation == "relu" else
+              hid / (1 + np.exp(-hid)) if activation == "silu" else
               0.5 * hid * (1 + np.vectorize(math.erf)(hid / math.sqrt(2))) if activation == "gelu_exact" else
               0.5 * hid * (1 + np.tanh(math.sqrt(2 / math.pi) * (hid + 0.044715 * hid ** 3))))
   np.testing.assert_allclose(out, hidden @ p["wo"]["kernel"] + p["wo"]["bias"], atol=1e-5)

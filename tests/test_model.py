@@ -293,6 +293,7 @@ def test_bfloat16_compute_float32_params_and_logits(name, overrides):
     ("tiny_encdec", {}), ("gpt2_tiny", {}), ("llama_tiny", {}),
     ("tiny_encdec", {"share_embeddings": False, "tie_output": False, "position": "learned",
                      "norm": "rmsnorm", "activation": "swiglu", "num_kv_heads": 1}),
+    ("tiny_encdec", {"logits_bias": True}), ("gpt2_tiny", {"logits_bias": True}),
 ])
 def test_every_param_has_logical_axis_names(name, overrides):
   model = build_model(model_config(name, **overrides))
@@ -328,3 +329,38 @@ def test_bf16_matmuls_in_the_model(name):
   flat = lambda t: np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)])
   g, rg = flat(out_g), flat(ref_g)
   assert 0 < np.linalg.norm(g - rg) < 3e-2 * np.linalg.norm(rg)
+
+
+# ---------------------------------------------------------------------------------------
+# Imported-model conventions: special ids and the output bias (Marian).
+
+
+@pytest.mark.parametrize("name", ["tiny_encdec", "gpt2_tiny"])
+def test_logits_bias_is_added_to_the_logits_and_off_by_default(name):
+  model, params = make(name)
+  biased, biased_params = make(name, logits_bias=True)
+  assert "logits_bias" not in params and biased_params["logits_bias"].shape == (model.cfg.vocab_size,)
+  count = lambda p: sum(x.size for x in jax.tree.leaves(p))
+  assert count(biased_params) == count(params) + model.cfg.vocab_size
+  same = dict(biased_params, **{k: v for k, v in params.items()})  # the unbiased weights, plus a bias
+  ids = jnp.asarray(tokens(0, (2, 5), 64))
+  args = (ids, ids) if name == "tiny_encdec" else (ids,)
+  close(apply(biased, {"params": same}, *args), np.asarray(apply(model, {"params": params}, *args))
+        + np.asarray(same["logits_bias"]))
+
+
+def test_padding_masks_follow_the_pad_id():
+  # Marian's conventions: pad = decoder start = the last id, eos = 0 (a real token).
+  vocab = 64
+  model, params = make("tiny_encdec", pad_id=vocab - 1, bos_id=vocab - 1, eos_id=0)
+  v = {"params": params}
+  src = np.array([[5, 0, 7, 0]], np.int32)                     # id 0 (EOS here) is not padding
+  tgt = np.array([[vocab - 1, 9, 0]], np.int32)                # starts with the pad id
+  ref = np.asarray(apply(model, v, jnp.asarray(src), jnp.asarray(tgt)))
+  padded = np.full((1, 7), vocab - 1, np.int32)
+  padded[0, :4] = src[0]
+  close(apply(model, v, jnp.asarray(padded), jnp.asarray(tgt)), ref)
+  # The decoder start token is real although it is the pad id: as explicit all-ones segments.
+  close(ref, apply(model, v, jnp.asarray(src), jnp.asarray(tgt), targets_segmentation=jnp.ones_like(tgt)))
+  # And pad 0 would have masked the source's zeros.
+  differ(apply(make("tiny_encdec")[0], v, jnp.asarray(src), jnp.asarray(tgt)), ref)

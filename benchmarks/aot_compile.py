@@ -1,0 +1,119 @@
+"""Compile the real train step for a TPU topology on a machine without a TPU, and read XLA's figures.
+
+    /work/wt/venv-tpu/bin/python benchmarks/aot_compile.py --topology v5p-64 --config llama3_8b \
+        --batch 32 --seq-len 8192 [model.remat=full model.scan_layers=true mesh.fsdp=-1 ...]
+
+Install (once; libtpu is not a runtime dependency of jaxformer, nor part of CI):
+
+    python3 -m venv venv-tpu && venv-tpu/bin/pip install "jax[tpu]==0.10.2" && venv-tpu/bin/pip install -e .
+
+(`pip install -e ".[tpu]"` does the same). With libtpu present, `jax.experimental.topologies`
+describes the chips of a topology that is not attached; the step is lowered with abstract,
+sharded inputs over a Mesh of those devices and compiled by the real TPU compiler
+(`jaxformer.aot`, as MaxText's train_compile.py does). Printed per chip: XLA's
+memory_analysis (arguments, outputs, donated, temporaries, total), cost_analysis FLOPs,
+the compile time, and `inspect.memory_plan` for the same config, mesh and batch next to it.
+
+--topology takes a Cloud TPU name (v5p-8 ... v5p-256 count TensorCores, two per chip, as
+Cloud TPU names do; v5e-1 ... v5e-256 and v6e-N count chips; v4-8 ... v4-256 like v5p).
+The mesh defaults to mesh.fsdp=-1 (every chip in FSDP) unless overrides set it.
+--platform cuda tries the same for GPUs (`jax-cuda12-plugin`); see BENCHMARKS.md for what happened.
+libtpu serves one process at a time (/tmp/libtpu_lockfile): run these one after another. A
+program that cannot fit is refused by the compiler; that is printed as "does NOT fit" with
+the bytes it needed.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import jax  # pylint: disable=g-import-not-at-top
+from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+
+from jaxformer import aot, config, inspect, sharding  # pylint: disable=g-import-not-at-top
+
+# chips -> topology shape of a slice (Cloud TPU's shapes).
+_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8"}
+_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+HBM_GB = {"v5p": 95, "v5e": 16, "v6e": 32, "v4": 32}
+
+
+def tpu_topology(name):
+  """"v5p-64" -> (topology_name, chip_config_name, chips_per_host_bounds, generation)."""
+  generation, _, count = name.partition("-")
+  if not count.isdigit():
+    raise SystemExit(f"error: --topology {name!r}: expected a Cloud TPU name such as v5p-64, v5e-8, v4-32")
+  n = int(count)
+  if generation in ("v5p", "v4"):
+    chips = n // 2  # Cloud TPU names count TensorCores: two per chip (megacore)
+    if chips not in _3D:
+      raise SystemExit(f"error: --topology {name}: known sizes are {', '.join(f'{generation}-{2 * c}' for c in _3D)}")
+    chip_config = "megachip_tccontrol" if generation == "v5p" else "megacore"
+    return f"{generation}:{_3D[chips]}", chip_config, (2, 2, 1), generation
+  if generation in ("v5e", "v6e"):
+    if n not in _2D:
+      raise SystemExit(f"error: --topology {name}: known sizes are {', '.join(f'{generation}-{c}' for c in _2D)}")
+    return f"{generation}:{_2D[n]}", "default", (1, 1, 1) if n == 1 else (2, 2, 1), generation
+  raise SystemExit(f"error: --topology {name}: choose a v5p, v5e, v6e or v4 slice")
+
+
+def devices_for(args):
+  """The device descriptions of the target and its memory per device (GB)."""
+  if args.platform == "tpu":
+    topology_name, chip_config, per_host, generation = tpu_topology(args.topology)
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=topology_name, chip_config_name=chip_config,
+                                        chips_per_host_bounds=per_host, num_slices=1)
+    return topo.devices, HBM_GB[generation]
+  topo = topologies.get_topology_desc(platform="cuda", topology_name=args.topology)
+  return topo.devices, 80
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--topology", required=True, help="e.g. v5p-64, v5e-8, v5e-1")
+  parser.add_argument("--platform", default="tpu", choices=("tpu", "cuda"))
+  parser.add_argument("--config", required=True)
+  parser.add_argument("overrides", nargs="*")
+  parser.add_argument("--batch", type=int, required=True, help="global batch (sequences)")
+  parser.add_argument("--seq-len", default=None, help="LEN, or SRC,TGT for translation (default: the recipe's)")
+  args = parser.parse_args(argv)
+  t = time.perf_counter()
+  devices, hbm_gb = devices_for(args)
+  overrides = args.overrides if any(o.startswith("mesh.") for o in args.overrides) else ["mesh.data=1", "mesh.fsdp=-1",
+                                                                                          *args.overrides]
+  cfg = config.load_config(args.config, overrides)
+  default_len = cfg.data.block_size if cfg.data.task == "lm" else cfg.data.max_len
+  lengths = tuple(int(x) for x in args.seq_len.split(",")) if args.seq_len else (default_len,)
+  if cfg.data.task != "lm" and len(lengths) == 1:
+    lengths = lengths * 2
+  mesh = dict(sharding.make_mesh(cfg.mesh, list(devices)).shape)
+  plan = inspect.memory_plan(cfg, mesh, args.batch, lengths)
+  gib = lambda b: f"{b / 2**30:8.2f} GiB"
+  plan_line = "inspect's plan: " + ", ".join(f"{k} {gib(v).strip()}" for k, v in plan.items())
+  print(f"{args.topology} ({len(devices)} x {devices[0].device_kind}, {hbm_gb} GB each), jax {jax.__version__}; "
+        f"{cfg.name} {' '.join(overrides)}; batch {args.batch} x {'+'.join(map(str, lengths))}; mesh {mesh}")
+  try:
+    compiled, lower_s, compile_s = aot.compile_train_step(cfg, devices, args.batch, lengths)
+  except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a program that cannot fit
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    print(f"does NOT fit ({time.perf_counter() - t:.0f} s): {str(e).splitlines()[0][:300]}")
+    print(plan_line)
+    return
+  xla = aot.memory(compiled)
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  print(f"lowered in {lower_s:.1f} s, compiled in {compile_s:.1f} s "
+        f"({time.perf_counter() - t:.1f} s in all)")
+  print(f"XLA per device: arguments {gib(xla['argument'])}, outputs {gib(xla['output'])}, donated "
+        f"{gib(xla['alias'])}, temporaries {gib(xla['temp'])}; total {gib(xla['total'])} "
+        f"-> {'fits' if xla['total'] <= hbm_gb * 1e9 else 'does NOT fit'} in {hbm_gb} GB")
+  print(plan_line + f"; plan / XLA = {plan['total'] / xla['total']:.2f}")
+  if cost and "flops" in cost:
+    print(f"XLA cost analysis: {cost['flops'] / 1e12:.2f} TFLOP per device per step")
+
+
+if __name__ == "__main__":
+  main()

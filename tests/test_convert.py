@@ -1,0 +1,399 @@
+"""Tests for jaxformer.convert against outputs of transformers itself (tests/fixtures/make_hf_fixtures.py).
+
+The fixtures are tiny GPT-2, Llama (GQA; default, llama3 and yarn RoPE) and Marian models with
+non-trivial random weights, saved by transformers with its logits, hidden states, greedy and beam
+search outputs and tokenizer round trips; torch and transformers are not needed here.
+"""
+
+import glob
+import json
+import os
+import pathlib
+import re
+import shutil
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from etils import epath
+from safetensors import safe_open
+
+from jaxformer import checkpoint as checkpoint_lib
+from jaxformer import config as config_lib
+from jaxformer import convert
+from jaxformer import decode
+from jaxformer import evaluate
+from jaxformer import generate
+from jaxformer import prepare
+from jaxformer import shards
+from jaxformer import tasks
+from jaxformer import train
+from jaxformer.errors import UserError
+
+FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
+LMS = ["gpt2", "llama", "llama3", "llama_yarn"]
+ALL = LMS + ["marian"]
+QUIET = {"log": lambda *a, **k: None}
+
+
+def expected(name):
+  return np.load(FIXTURES / name / "expected.npz"), json.loads((FIXTURES / name / "expected.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+  """name -> (workdir, cfg, model, params, tokenizer), each fixture converted once per module."""
+  cache = {}
+
+  def get(name):
+    if name not in cache:
+      workdir = str(tmp_path_factory.mktemp(name) / "w")
+      convert.from_hf(str(FIXTURES / name), workdir, **QUIET)
+      cfg, model, params, tok, _ = evaluate.load_run(workdir, **QUIET)
+      cache[name] = workdir, cfg, model, params, tok
+    return cache[name]
+  return get
+
+
+def hf_tensors(directory):
+  out = {}
+  for path in glob.glob(os.path.join(directory, "*.safetensors")):
+    with safe_open(path, framework="np") as f:
+      for key in f.keys():
+        out[key] = f.get_tensor(key)
+  return out
+
+
+# ----------------------------------------------------------------------------- numerics
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_logits_and_hidden_states_match_transformers(converted, name):
+  _, cfg, model, params, _ = converted(name)
+  arrays, _ = expected(name)
+  if name == "marian":
+    logits, inter = model.apply({"params": params}, jnp.asarray(arrays["inputs"]),
+                                jnp.asarray(arrays["decoder_inputs"]), capture_intermediates=True)
+    inter = inter["intermediates"]
+    for side, mask in (("encoder", arrays["attention_mask"][..., None]), ("decoder", 1)):
+      hidden = arrays[f"{side}_hidden_states"]  # [layers + 1, batch, length, d]: the input, then each layer's output
+      for i in range(hidden.shape[0] - 1):
+        ours = np.asarray(inter[side][f"layer_{i}"]["__call__"][0])
+        np.testing.assert_allclose(ours * mask, hidden[i + 1] * mask, atol=1e-4, err_msg=f"{side} layer {i}")
+  else:
+    logits, inter = model.apply({"params": params}, jnp.asarray(arrays["inputs"]), capture_intermediates=True)
+    inter = inter["intermediates"]["decoder"]
+    hidden = arrays["hidden_states"]  # the embeddings, layers 0..L-2, then the final norm's output
+    for i in range(cfg.model.num_layers - 1):
+      np.testing.assert_allclose(np.asarray(inter[f"layer_{i}"]["__call__"][0]), hidden[i + 1], atol=1e-4)
+    np.testing.assert_allclose(np.asarray(inter["final_norm"]["__call__"][0]), hidden[-1], atol=1e-4)
+  np.testing.assert_allclose(np.asarray(logits), arrays["logits"], atol=1e-4)
+  assert np.abs(arrays["logits"]).max() > 1.0  # not vanishing logits that any mapping would match
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_greedy_generation_with_the_kv_cache_matches_transformers(converted, name):
+  _, cfg, model, params, _ = converted(name)
+  arrays, meta = expected(name)
+  if name == "marian":  # all three end in EOS well before either side's length limit
+    got = np.asarray(decode.greedy_translate(model, params, jnp.asarray(arrays["inputs"]), max_extra_len=50,
+                                             suppress_pad=cfg.decode.suppress_pad))
+    want = np.asarray(meta["greedy"])
+    np.testing.assert_array_equal(got[:, :want.shape[1]], want)
+    assert (got[:, want.shape[1]:] == cfg.model.pad_id).all()
+  else:  # prompts of different lengths in one left-padded batch; HF ran each alone
+    got = decode.generate(model, params, meta["prompts"], 8, jax.random.key(0), temperature=0, eos_id=cfg.model.eos_id)
+    np.testing.assert_array_equal(np.asarray(got), meta["greedy"])
+
+
+@pytest.mark.parametrize("variant", ["default", "alpha0.6_true", "alpha0.5_never", "alpha1.5", "alpha1.5_true"])
+def test_marian_beam_search_with_hf_length_penalty_matches_generate(converted, variant):
+  _, cfg, model, params, _ = converted("marian")
+  arrays, meta = expected("marian")
+  beams = meta["beams"][variant]
+  early = {True: "true", False: "false"}.get(beams["kwargs"].get("early_stopping", False), "never")
+  alpha = beams["kwargs"].get("length_penalty", cfg.decode.alpha)  # default: generation_config's (1.0)
+
+  def search(kind, early_stopping):
+    tokens, scores = decode.beam_search(model, params, jnp.asarray(arrays["inputs"]), beam_size=4, alpha=alpha,
+                                        max_extra_len=50, length_penalty_kind=kind, early_stopping=early_stopping,
+                                        suppress_pad=True)
+    return np.asarray(tokens), np.asarray(scores)
+
+  tokens, scores = search("hf", early)
+  for row in range(3):
+    for k in range(4):  # every beam, best first, as generate(num_beams=4, num_return_sequences=4) ranks them
+      want = beams["sequences"][row][k]
+      np.testing.assert_array_equal(tokens[row, k, :len(want)], want, err_msg=f"row {row} beam {k}")
+  np.testing.assert_allclose(scores, beams["scores"], atol=1e-4)
+  if variant == "default":  # the paper's penalty decodes otherwise here: the switch matters
+    assert not np.array_equal(search("gnmt", "false")[0][:, 0, :8], tokens[:, 0, :8])
+  if variant == "alpha1.5_true":  # and so does HF's early_stopping
+    assert meta["beams"]["alpha1.5"]["sequences"] != beams["sequences"]
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_tokenizers_encode_and_decode_as_transformers(converted, name):
+  _, cfg, _, _, tok = converted(name)
+  _, meta = expected(name)
+  for case in meta["tokenizer"]:
+    text = case["text"]
+    ids = tok.encode(text) + ([tok.eos_id] if name == "marian" else [])  # MarianTokenizer appends </s>
+    if name in ("llama", "llama_yarn") and text[:1].isspace():
+      # sentencepiece itself (Meta's reference tokenizer) always adds the dummy-prefix space;
+      # transformers' converted Llama tokenizer (legacy=False) does not before a leading space.
+      assert ids != case["ids"] and tok.decode(ids) == text
+      continue
+    assert ids == case["ids"], text
+    assert tok.decode(case["ids"]) == case["decoded"], text
+  if name == "marian":  # targets are split by target.spm
+    assert [tok.encode_target(t) + [tok.eos_id] for t in meta["targets"]] == meta["target_ids"]
+    assert [tok.encode(t) + [tok.eos_id] for t in meta["targets"]] != meta["target_ids"]
+
+
+# ----------------------------------------------------------------------------- export
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_export_writes_the_original_tensors_and_reimports_bitwise(converted, name, tmp_path):
+  workdir, cfg, _, params, _ = converted(name)
+  out = tmp_path / "hf"
+  convert.to_hf(workdir, str(out), **QUIET)
+  original, exported = hf_tensors(FIXTURES / name), hf_tensors(out)
+  assert sorted(exported) == sorted(original)
+  for key, value in original.items():
+    assert exported[key].dtype == value.dtype and np.array_equal(exported[key], value), key
+  theirs = json.loads((FIXTURES / name / "config.json").read_text())
+  ours = json.loads((out / "config.json").read_text())
+  for key in ("model_type", "vocab_size", "n_layer", "num_hidden_layers", "num_key_value_heads", "decoder_layers",
+              "activation_function", "pad_token_id", "eos_token_id", "decoder_start_token_id", "tie_word_embeddings"):
+    assert ours.get(key) == theirs.get(key), key
+  again = str(tmp_path / "w2")
+  convert.from_hf(str(out), again, **QUIET)
+  with checkpoint_lib.Checkpointer(again, async_save=False) as ckpt:
+    reloaded, _ = ckpt.restore_params(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params))
+  assert json.loads((pathlib.Path(again) / "config.json").read_text())["model"] == config_lib.to_dict(cfg)["model"]
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), reloaded, params)
+
+
+def test_bfloat16_checkpoints_stay_bfloat16_in_the_workdir_and_export_back(tmp_path):
+  import ml_dtypes
+  from safetensors.numpy import save_file
+  source = tmp_path / "gpt2_bf16"
+  shutil.copytree(FIXTURES / "gpt2", source)
+  bf16 = {k: v.astype(ml_dtypes.bfloat16) for k, v in hf_tensors(source).items()}
+  save_file(bf16, str(source / "model.safetensors"))
+  workdir = str(tmp_path / "w")
+  convert.from_hf(str(source), workdir, **QUIET)
+  stored = ocp.StandardCheckpointHandler().metadata(epath.Path(workdir) / "checkpoints" / "0" / "state").tree
+  assert {str(m.dtype) for m in jax.tree.leaves(stored)} == {"bfloat16"}  # half the bytes of float32
+  _, _, params, _, _ = evaluate.load_run(workdir, **QUIET)
+  embedding = np.asarray(params["embed"]["embedding"])
+  assert embedding.dtype == np.float32  # restored as float32, widened exactly
+  np.testing.assert_array_equal(embedding, bf16["transformer.wte.weight"].astype(np.float32))
+  out = tmp_path / "out"
+  convert.to_hf(workdir, str(out), dtype="bfloat16", **QUIET)
+  exported = hf_tensors(out)
+  assert sorted(exported) == sorted(bf16)
+  for key, value in bf16.items():
+    assert exported[key].dtype == value.dtype and np.array_equal(exported[key], value), key
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def run_cli(capsys, *argv):
+  try:
+    convert.main(list(argv))
+    code = 0
+  except SystemExit as e:
+    code = e.code
+  return code, capsys.readouterr().err
+
+
+def assert_one_line_error(capsys, pattern, *argv):
+  code, err = run_cli(capsys, *argv)
+  lines = err.strip().splitlines()
+  assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+  assert re.search(pattern, lines[0]), lines[0]
+
+
+def edited_copy(tmp_path, name, edit):
+  """A copy of a fixture whose config.json went through `edit(dict)`."""
+  d = pathlib.Path(tempfile.mkdtemp(dir=tmp_path)) / name
+  shutil.copytree(FIXTURES / name, d)
+  conf = json.loads((d / "config.json").read_text())
+  edit(conf)
+  (d / "config.json").write_text(json.dumps(conf))
+  return str(d)
+
+
+def test_unsupported_architectures_and_mismatched_files_are_one_line_errors(tmp_path, capsys):
+  w = str(tmp_path / "w")
+  assert_one_line_error(capsys, r"model_type 'bert' is not supported.*gpt2, llama, marian",
+                        "--from-hf", edited_copy(tmp_path, "gpt2", lambda c: c.update(model_type="bert")),
+                        "--workdir", w)
+  assert_one_line_error(capsys, r"has no tensor transformer\.h\.2\.ln_1\.weight",
+                        "--from-hf", edited_copy(tmp_path, "gpt2", lambda c: c.update(n_layer=3)), "--workdir", w)
+  assert_one_line_error(capsys, r"tensor\(s\) the config does not use, e\.g\. model\.layers\.1\.",
+                        "--from-hf", edited_copy(tmp_path, "llama", lambda c: c.update(num_hidden_layers=1)),
+                        "--workdir", w)
+  assert_one_line_error(capsys, r"embed_tokens\.weight has shape \[400, 64\] but config\.json implies \[401, 64\]",
+                        "--from-hf", edited_copy(tmp_path, "llama", lambda c: c.update(vocab_size=401)), "--workdir", w)
+  assert_one_line_error(capsys, r"rope type='dynamic' is not supported.*default, llama3, yarn",
+                        "--from-hf", edited_copy(tmp_path, "llama", lambda c: c.update(
+                            rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})),
+                        "--workdir", w)
+  empty = tmp_path / "no_weights"
+  empty.mkdir()
+  shutil.copy(FIXTURES / "gpt2" / "config.json", empty)
+  assert_one_line_error(capsys, r"has no \*\.safetensors weights", "--from-hf", str(empty), "--workdir", w)
+  assert_one_line_error(capsys, r"config\.json not found", "--from-hf", str(tmp_path), "--workdir", w)
+  assert_one_line_error(capsys, r"--from-hf needs --workdir", "--from-hf", str(FIXTURES / "gpt2"))
+  assert not os.path.exists(w)  # nothing half-written
+  assert run_cli(capsys, "--from-hf", str(FIXTURES / "gpt2"), "--workdir", w)[0] == 0
+  assert_one_line_error(capsys, r"already holds a run", "--from-hf", str(FIXTURES / "gpt2"), "--workdir", w)
+  assert_one_line_error(capsys, r"already holds a model", "--to-hf", w, "--out", str(FIXTURES / "gpt2"))
+
+
+def test_a_model_without_an_exact_hf_equivalent_is_not_exported():
+  # The paper's encoder-decoder interleaves its sinusoids; Marian's are in halves.
+  with pytest.raises(UserError, match=r"model\.sinusoidal_layout='interleaved' has no Hugging Face marian equivalent"):
+    convert.infer_model_type(config_lib.load_config("tiny_encdec"))
+  assert convert.infer_model_type(config_lib.load_config("llama_tiny")) == "llama"
+  assert convert.infer_model_type(config_lib.load_config("gpt2_tiny")) == "gpt2"
+
+
+# ----------------------------------------------------------------------------- the workdir in use
+
+
+@pytest.mark.slow
+def test_converted_workdirs_generate_translate_and_fine_tune(converted, tmp_path, capsys):
+  # generate: Llama 3's prompt gets its BOS (data.add_bos) and decodes as transformers did.
+  workdir, cfg, _, _, tok = converted("llama3")
+  _, meta = expected("llama3")
+  out = generate.main(["--workdir", workdir, "--prompt", "A man in", "--max-new-tokens", "8", "--temperature", "0"])
+  assert out == [tok.decode(meta["greedy"][0])]
+  # eval.py: beam search with the converted decode.* settings (hf penalty, suppress_pad) = generate()'s.
+  workdir, cfg, _, _, tok = converted("marian")
+  _, meta = expected("marian")
+  (tmp_path / "src.txt").write_text("\n".join(meta["sources"]) + "\n")
+  (tmp_path / "ref.txt").write_text("\n".join(meta["sources"]) + "\n")
+  hyp = tmp_path / "hyp.txt"
+  evaluate.main(["--workdir", workdir, f"data.test_src={tmp_path / 'src.txt'}", f"data.test_tgt={tmp_path / 'ref.txt'}",
+                 "--out", str(hyp)])
+  assert hyp.read_text().splitlines() == [tok.decode(b[0]) for b in meta["beams"]["default"]["sequences"]]
+  # train.init_from: the imported params and tokenizer, a fresh optimizer (learning rate 0: params unchanged).
+  workdir, cfg, _, params, _ = converted("gpt2")
+  text = tmp_path / "text.txt"
+  text.write_text(" ".join(["A man in an orange hat starring at something."] * 40) + "\n")
+  fine = str(tmp_path / "fine")
+  ft_cfg = config_lib.load_config(os.path.join(workdir, "config.json"), [
+      f"train.init_from={workdir}", f"data.text_path={text}", "data.block_size=16", "data.batch_size=2",
+      "train.num_steps=2", "train.log_every=1", "train.eval_every=2", "train.checkpoint_every=2",
+      "train.eval_batches=1", "train.sample_every_eval=false", "optim.learning_rate=0.0"])
+  result = train.train_and_evaluate(ft_cfg, fine, **QUIET)
+  assert int(result["state"]["step"]) == 2 and os.path.isfile(os.path.join(fine, "tokenizer.json"))
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               result["state"]["params"], params)
+  assert np.isfinite(result["loss"])
+
+
+def test_prepare_uses_a_converted_llama3_tokenizer_and_its_ids(converted, tmp_path, monkeypatch):
+  """train.init_from copies the hf tokenizer.json before preparing; worker processes load it; every
+  document is BOS + transformers' ids + EOS with Llama 3's ids (380, 381), and random windows start
+  a segment after that EOS."""
+  workdir, cfg, _, _, tok = converted("llama3")
+  _, meta = expected("llama3")
+  cases = [c for c in meta["tokenizer"] if "\n" not in c["text"]]
+  (tmp_path / "docs.txt").write_text("".join(c["text"] + "\n" for c in cases) * 20)
+  monkeypatch.setattr(prepare, "CHUNK_CHARS", 300)  # many chunks: two worker processes tokenize
+  fine = str(tmp_path / "fine")
+  ft_cfg = config_lib.load_config(os.path.join(workdir, "config.json"), [
+      f"train.init_from={workdir}", f"data.text_path={tmp_path / 'docs.txt'}", "data.doc_per=line",
+      "data.num_proc=2", "data.block_size=64", "data.batch_size=4"])
+  assert (ft_cfg.model.bos_id, ft_cfg.model.eos_id, ft_cfg.data.add_bos) == (380, 381, True)
+  with pytest.raises(UserError, match=r"^hf tokenizer \S+/tokenizer\.json not found: it comes with a converted model"):
+    tasks.LMTask(ft_cfg, str(tmp_path / "no_tokenizer"), **QUIET)  # never trained: one line
+  os.makedirs(fine)
+  train.copy_init_tokenizer(ft_cfg, fine, **QUIET)
+  task = tasks.LMTask(ft_cfg, fine, **QUIET)
+  want = sorted([tuple([380] + c["ids"] + [381]) for c in cases] * 20)
+  got = [tuple(doc.tolist()) for split in ("train", "val")
+         for doc in shards.TokenStream(task.data_dir, split, "text").documents()]
+  assert sorted(got) == want and len(shards.read_manifest(task.data_dir)["splits"]["val"]["shards"]) == 1
+  batch = task.train_batch(0)
+  eos_inside = batch["inputs"][:, :-1] == 381
+  assert eos_inside.any() and batch["segment_ids"].max() > 1
+  new = np.zeros(batch["inputs"].shape, bool)
+  new[:, 1:] = eos_inside
+  np.testing.assert_array_equal(batch["segment_ids"], 1 + np.cumsum(new, axis=1))
+  assert (batch["inputs"][new] == 380).all()  # each new segment starts with its document's BOS
+  # With a shared data.data_dir the tokenizer goes there, next to the data it makes (from W's own place).
+  shared = config_lib.replace(ft_cfg, **{"data.data_dir": str(tmp_path / "shared")})
+  train.copy_init_tokenizer(shared, str(tmp_path / "other"), **QUIET)
+  assert (tmp_path / "shared" / "tokenizer.json").read_bytes() == pathlib.Path(workdir, "tokenizer.json").read_bytes()
+
+
+def test_marian_translation_data_is_prepared_with_its_target_side(converted, tmp_path, monkeypatch):
+  """A converted Marian model's fine-tuning data: sources split by source.spm and targets by
+  target.spm (as transformers' text_target), by two worker processes; batches pad with 261, end
+  in EOS 0 and start the decoder with 261, also when a process reads only its half of the rows."""
+  workdir, cfg, _, _, tok = converted("marian")
+  _, meta = expected("marian")
+  cases = [c for c in meta["tokenizer"] if "\n" not in c["text"]]
+  n = len(cases) * len(meta["targets"]) * 4
+  src = [cases[i % len(cases)] for i in range(n)]
+  tgt = [(meta["targets"][i % 2], meta["target_ids"][i % 2]) for i in range(n)]
+  (tmp_path / "train.en").write_text("".join(c["text"] + "\n" for c in src))
+  (tmp_path / "train.de").write_text("".join(t + "\n" for t, _ in tgt))
+  monkeypatch.setattr(prepare, "CHUNK_CHARS", 300)
+  fine = str(tmp_path / "fine")
+  overrides = [f"train.init_from={workdir}", "data.source=local", f"data.train_src={tmp_path / 'train.en'}",
+               f"data.train_tgt={tmp_path / 'train.de'}", "data.num_proc=2", "data.batch_multiple=1"]
+  ft_cfg = config_lib.load_config(os.path.join(workdir, "config.json"), overrides)
+  assert (ft_cfg.model.pad_id, ft_cfg.model.bos_id, ft_cfg.model.eos_id) == (261, 261, 0)
+  assert ft_cfg.data.tokenizer == "marian"
+  os.makedirs(fine)
+  train.copy_init_tokenizer(ft_cfg, fine, **QUIET)
+  task = tasks.TranslationTask(ft_cfg, fine, batch_multiple=2, **QUIET)
+  source_ids, target_ids = task.ids["train"]
+  for i in range(n):  # transformers' ids end in </s>; the shards hold none (the batcher adds it)
+    assert source_ids[i].tolist() == src[i]["ids"][:-1] and target_ids[i].tolist() == tgt[i][1][:-1], i
+  rows = np.arange(len(cases) * 2)
+  batch = task.train.make_batch(rows)
+  for r in rows:
+    s, t = src[r]["ids"], tgt[r][1]
+    assert batch["inputs"][r].tolist() == s + [261] * (batch["inputs"].shape[1] - len(s))
+    assert batch["targets"][r].tolist() == t + [261] * (batch["targets"].shape[1] - len(t))
+    assert batch["decoder_inputs"][r].tolist() == [261] + t[:-1] + [261] * (batch["targets"].shape[1] - len(t))
+  half = tasks.TranslationTask(ft_cfg, fine, batch_multiple=2, part=(1, 2, 2), **QUIET).train.make_batch(rows)
+  for key, value in batch.items():
+    np.testing.assert_array_equal(half[key][len(rows) // 2:], value[len(rows) // 2:], err_msg=key)
+
+
+def test_fine_tuning_with_scanned_layers_and_exporting_it(converted, tmp_path):
+  """A converted (per-layer) checkpoint fine-tunes with model.scan_layers=true (train.init_from stacks
+  its layers) and the scanned run exports back to HF's per-layer tensors unchanged (learning rate 0)."""
+  workdir, cfg, _, params, _ = converted("llama")
+  text = tmp_path / "text.txt"
+  text.write_text(" ".join(["A man in an orange hat starring at something."] * 40) + "\n")
+  fine = str(tmp_path / "fine")
+  ft_cfg = config_lib.load_config(os.path.join(workdir, "config.json"), [
+      f"train.init_from={workdir}", f"data.text_path={text}", "data.block_size=16", "data.batch_size=2",
+      "train.num_steps=1", "train.log_every=1", "train.eval_every=1", "train.checkpoint_every=1",
+      "train.eval_batches=1", "train.sample_every_eval=false", "optim.learning_rate=0.0", "model.scan_layers=true"])
+  result = train.train_and_evaluate(ft_cfg, fine, **QUIET)
+  assert "layers" in result["state"]["params"]["decoder"] and np.isfinite(result["loss"])
+  out = tmp_path / "hf"
+  convert.to_hf(fine, str(out), **QUIET)
+  original, exported = hf_tensors(FIXTURES / "llama"), hf_tensors(out)
+  assert sorted(exported) == sorted(original)
+  for key, value in original.items():
+    np.testing.assert_array_equal(exported[key].astype(np.float32), value.astype(np.float32), err_msg=key)
