@@ -99,18 +99,27 @@ class DataConfig:
   dev_tgt: str = ""
   test_src: str = ""
   test_tgt: str = ""
-  text_path: str = ""               # local text file (lm)
-  train_fraction: float = 0.9       # lm: first fraction trains, the rest validates
+  text_path: str = ""               # lm, local: text files (globs, comma-separated; .gz, .jsonl read too)
+  doc_per: str = "file"             # lm, local text: a document per file | line
+  text_field: str = "text"          # lm: the field of .jsonl lines / hub rows that holds the document
+  hub_data_files: str = ""          # hub: local files for a packaged builder (hub_name=text|json), globs
+  streaming: bool = True            # hub: stream rows (datasets streaming=True) instead of downloading first
+  train_fraction: float = 0.9       # lm: one document: its first fraction of characters trains (nanoGPT);
+                                    # several: a seeded random fraction of documents (unless a val split exists)
   tokenizer: str = "sentencepiece"  # sentencepiece | char | byte | hf (tokenizer.json) | marian (converted models)
-  tokenizer_path: str = ""          # "" -> <workdir>/tokenizer.model (spm) or tokenizer.json (char, hf, marian)
+  tokenizer_path: str = ""          # "" -> <data_dir or workdir>/tokenizer.model (spm) or .json (char, hf, marian)
+  tokenizer_sample_docs: int = 500000  # sentencepiece trains on a seeded random sample of this many documents
   add_bos: bool = False             # lm: BOS before each document and prompt (Llama's convention)
+  data_dir: str = ""                # prepared token shards (python -m jaxformer.prepare); "" -> <workdir>/data
+  shard_tokens: int = 100_000_000   # a shard closes at the first document boundary past this many tokens
+  packing: str = "random_windows"   # lm: random_windows (nanoGPT) | packed (consecutive rows, shuffled order)
   max_len: int = 256                # longest pair kept (tokens, per side)
   tokens_per_batch: int = 25000     # translation: per side, per optimizer step
   batch_multiple: int = 8           # bucket batch sizes are multiples of this
   batch_size: int = 12              # lm: rows per optimizer step
   block_size: int = 64              # lm: tokens per row
   use_segments: bool = True         # lm: no attention across document boundaries
-  num_proc: int = 2                 # parallel tokenization workers
+  num_proc: int = 2                 # prepare: tokenizer worker processes (<= 1: in the calling process)
   synthetic_size: int = 20000       # synthetic: number of generated pairs
 
 
@@ -318,6 +327,11 @@ def _validate(cfg):
     raise UserError(f"model.logits_chunk={m.logits_chunk} must be >= 0 (0: automatic, see README)")
   if cfg.data.task not in ("translation", "lm"):
     raise UserError(f"data.task={cfg.data.task!r}: choose translation or lm")
+  for field, allowed in (("doc_per", ("file", "line")), ("packing", ("random_windows", "packed"))):
+    if getattr(cfg.data, field) not in allowed:
+      raise UserError(f"data.{field}={getattr(cfg.data, field)!r}: choose one of {', '.join(allowed)}")
+  if not 0.0 < cfg.data.train_fraction <= 1.0:
+    raise UserError(f"data.train_fraction={cfg.data.train_fraction}: must be in (0, 1]")
   if (cfg.data.task == "lm") != (m.arch == "decoder_only"):
     raise UserError(f"data.task={cfg.data.task!r} needs model.arch="
                     f"{'decoder_only' if cfg.data.task == 'lm' else 'encoder_decoder'}")

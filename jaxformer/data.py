@@ -1,4 +1,4 @@
-"""Data pipeline: parallel text, cached tokenization, static-shape batches.
+"""Data pipeline: parallel text, tokenization, static-shape batches.
 
 Translation batches follow the paper: pairs are grouped by length into a few
 fixed bucket lengths and each batch holds about `tokens_per_batch` source and
@@ -7,9 +7,13 @@ compiles once per bucket. Batches are a pure function of (seed, epoch), so a
 run resumes at any step with the same data order and no iterator state.
 
 Language-model batches are nanoGPT-style random windows of one token stream,
-seeded by (seed, step) for the same reason.
+seeded by (seed, step) for the same reason, or packed rows (consecutive
+windows in a seeded shuffled order per epoch). Streams and ragged arrays may be
+memory-mapped shards (`jaxformer.shards`): a batch reads only its rows, and
+only this process's rows (`row_range`).
 """
 
+import functools
 import hashlib
 import itertools
 import os
@@ -129,8 +133,9 @@ class Ragged:
 
   @classmethod
   def from_lists(cls, seqs):
-    """Builds from a sequence of int sequences."""
-    if isinstance(seqs, Ragged):
+    """Builds from a sequence of int sequences (a `Ragged` or
+    `shards.RaggedShards` is returned as it is)."""
+    if isinstance(seqs, Ragged) or hasattr(seqs, "gather"):
       return seqs
     lengths = np.fromiter((len(s) for s in seqs), np.int64, len(seqs))
     offsets = np.concatenate([[0], np.cumsum(lengths)])
@@ -283,10 +288,11 @@ class Batcher:
 
   def __init__(self, src_ids, tgt_ids, tokens_per_batch, max_len, seed=0,
                batch_multiple=1, indices=None, shuffle=True,
-               buckets=DEFAULT_BUCKETS, pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID):
+               buckets=DEFAULT_BUCKETS, pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID, part=None):
     """Args:
 
-      src_ids, tgt_ids: `Ragged` or sequences of id sequences (no BOS/EOS).
+      src_ids, tgt_ids: `Ragged`, `shards.RaggedShards` (memory-mapped) or
+        sequences of id sequences (no BOS/EOS).
       tokens_per_batch: token budget per side (paper: ~25000).
       max_len: longest padded length; pairs must fit (see `filter_pairs`).
       seed: data-order seed.
@@ -295,13 +301,15 @@ class Batcher:
       shuffle: False gives a fixed order (bucket by bucket), for evaluation.
       buckets: candidate bucket lengths.
       pad_id, bos_id, eos_id: the model's special ids (Marian: 58100, 58100, 0).
+      part: this process's part of each batch (see `row_range`): only those
+        rows' tokens are read; lengths, masks and positions cover all rows.
     """
     self.pad_id, self.bos_id, self.eos_id = pad_id, bos_id, eos_id
     self.src = Ragged.from_lists(src_ids)
     self.tgt = Ragged.from_lists(tgt_ids)
     if len(self.src) != len(self.tgt):
       raise ValueError(f"{len(self.src)} sources but {len(self.tgt)} targets")
-    self.seed, self.shuffle = seed, shuffle
+    self.seed, self.shuffle, self.part = seed, shuffle, part
     idx = (np.arange(len(self.src)) if indices is None
            else np.asarray(indices, np.int64))
     need = np.maximum(self.src.lengths[idx], self.tgt.lengths[idx]) + 1
@@ -374,8 +382,10 @@ class Batcher:
     pos = np.arange(length)[None, :]
     src_mask, tgt_mask = pos < n_src[:, None], pos < n_tgt[:, None]
     src_eos, tgt_eos = pos == n_src[:, None] - 1, pos == n_tgt[:, None] - 1
-    inputs = np.where(src_eos, self.eos_id, np.where(src_mask, self.src.gather(idx, length), self.pad_id))
-    targets = np.where(tgt_eos, self.eos_id, np.where(tgt_mask, self.tgt.gather(idx, length), self.pad_id))
+    gather = lambda ragged: _own_rows(lambda lo, hi: ragged.gather(idx[lo:hi], length),
+                                      len(idx), self.part, (length,))
+    inputs = np.where(src_eos, self.eos_id, np.where(src_mask, gather(self.src), self.pad_id))
+    targets = np.where(tgt_eos, self.eos_id, np.where(tgt_mask, gather(self.tgt), self.pad_id))
     shifted = np.concatenate(
         [np.full((len(idx), 1), self.bos_id), targets[:, :-1]], axis=1)
     return {
@@ -439,6 +449,45 @@ def lm_token_stream(texts, tokenizer, add_eos=True, add_bos=False):
   return np.concatenate(parts or [np.zeros(0, np.int32)]).astype(np.int32)
 
 
+def row_range(batch_size, part=None):
+  """The rows [lo, hi) of a global batch that one process reads.
+
+  `part` = (first, stop, parts): this process holds parts [first, stop) of `parts` equal
+  parts along the batch axis (`sharding.batch_part`); None = every row (one process).
+  """
+  if part is None:
+    return 0, batch_size
+  first, stop, parts = part
+  if batch_size % parts:
+    raise ValueError(f"batch size {batch_size} is not a multiple of the {parts} batch shards")
+  return batch_size * first // parts, batch_size * stop // parts
+
+
+def _own_rows(read, batch_size, part, shape_tail, dtype=np.int32):
+  """[batch_size, *shape_tail] with rows `row_range(batch_size, part)` from `read(lo, hi)`, the rest zero.
+
+  A process reads only its own rows; the others stay zero (untouched pages of np.zeros), and
+  `sharding.global_batch` copies only this process's rows to its devices. Everything that
+  sizes the batch (shapes, segmentation, token counts) is computed for all rows, so every
+  process agrees on them.
+  """
+  lo, hi = row_range(batch_size, part)
+  if (lo, hi) == (0, batch_size):
+    return read(lo, hi)
+  out = np.zeros((batch_size, *shape_tail), dtype)
+  out[lo:hi] = read(lo, hi)
+  return out
+
+
+def _segments_after_eos(inputs, eos_id):
+  """Segment ids (from 1) and positions (from 0) that restart on the token after each EOS."""
+  new = np.zeros(inputs.shape, bool)
+  new[:, 1:] = inputs[:, :-1] == eos_id
+  idx = np.broadcast_to(np.arange(inputs.shape[1]), inputs.shape)
+  start = np.maximum.accumulate(np.where(new, idx, 0), axis=1)
+  return (1 + np.cumsum(new, axis=1)).astype(np.int32), (idx - start).astype(np.int32)
+
+
 class LMBatcher:
   """nanoGPT-style random windows; batch `step` is seeded by (seed, step).
 
@@ -447,17 +496,27 @@ class LMBatcher:
   segment ids (and uses these positions) never attends across a document
   boundary; one that ignores them attends over the whole window, as nanoGPT
   does. Either way the target after an EOS is the next document's first token.
+  The stream is an in-memory array or a `shards.TokenStream` (memory-mapped
+  shards): the same windows either way.
   """
 
-  def __init__(self, stream, block_size, batch_size, seed=0, eos_id=EOS_ID):
-    """Args: stream [N] int ids, window length, windows per batch, seed."""
-    self.stream = np.asarray(stream, np.int32)
+  def __init__(self, stream, block_size, batch_size, seed=0, eos_id=EOS_ID,
+               part=None):
+    """Args: stream [N] int ids (array or `shards.TokenStream`), window length,
+    windows per batch, seed, and this process's `part` (see `row_range`)."""
+    self.stream = (stream if hasattr(stream, "take")
+                   else np.asarray(stream, np.int32))
     if len(self.stream) < block_size + 1:
       raise UserError(f"the token stream has {len(self.stream)} tokens, fewer "
                       f"than block_size + 1 = {block_size + 1}; use a smaller "
                       "block_size or more text")
     self.block_size, self.batch_size = block_size, batch_size
-    self.seed, self.eos_id = seed, eos_id
+    self.seed, self.eos_id, self.part = seed, eos_id, part
+
+  def _take(self, starts):
+    if isinstance(self.stream, np.ndarray):
+      return self.stream[starts[:, None] + np.arange(self.block_size + 1)]
+    return self.stream.take(starts, self.block_size + 1)
 
   def batch_at(self, step):
     """Returns the batch for `step`.
@@ -469,15 +528,119 @@ class LMBatcher:
     rng = np.random.default_rng([self.seed, step])
     starts = rng.integers(0, len(self.stream) - self.block_size,
                           self.batch_size)
-    w = self.stream[starts[:, None] + np.arange(self.block_size + 1)]
+    w = _own_rows(lambda lo, hi: self._take(starts[lo:hi]), self.batch_size,
+                  self.part, (self.block_size + 1,))
     inputs, targets = w[:, :-1], w[:, 1:]
-    new = np.zeros(inputs.shape, bool)
-    new[:, 1:] = inputs[:, :-1] == self.eos_id
-    idx = np.broadcast_to(np.arange(self.block_size), inputs.shape)
-    start = np.maximum.accumulate(np.where(new, idx, 0), axis=1)
+    segment_ids, positions = _segments_after_eos(inputs, self.eos_id)
     return {
         "inputs": inputs,
         "targets": targets,
-        "segment_ids": (1 + np.cumsum(new, axis=1)).astype(np.int32),
-        "positions": (idx - start).astype(np.int32),
+        "segment_ids": segment_ids,
+        "positions": positions,
     }
+
+
+_MIX = tuple(np.uint64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9,
+                                    0x94D049BB133111EB))
+
+
+@functools.lru_cache(maxsize=64)
+def _round_keys(key):
+  return tuple(np.random.default_rng(list(key)).integers(0, 1 << 62, 4, np.uint64))
+
+
+def permute(index, n, key):
+  """Images of `index` [k] under a pseudo-random permutation of [0, n) keyed by `key`.
+
+  A 4-round Feistel network (splitmix64 rounds) on the next even power of two
+  >= n, walking the cycle back into [0, n): a bijection computed per index, so
+  shuffling the rows of a corpus of any size costs no memory.
+  Args:
+    index: int array of values in [0, n).
+    n: the permutation's size.
+    key: a tuple of ints (e.g. (seed, epoch)).
+  Returns:
+    int64 array like `index`.
+  """
+  bits = max(2, int(n - 1).bit_length())
+  bits += bits & 1
+  half, mask = np.uint64(bits // 2), np.uint64((1 << (bits // 2)) - 1)
+  keys = _round_keys(tuple(key))
+
+  def rounds(x):
+    left, right = x >> half, x & mask
+    for k in keys:
+      z = (right ^ k) + _MIX[0]
+      z = (z ^ (z >> np.uint64(30))) * _MIX[1]
+      z = (z ^ (z >> np.uint64(27))) * _MIX[2]
+      left, right = right, left ^ ((z ^ (z >> np.uint64(31))) & mask)
+    return (left << half) | right
+
+  x = rounds(np.asarray(index, np.uint64))
+  out = x.copy()
+  walk = np.flatnonzero(out >= n)
+  while len(walk):  # expected < 4 more rounds: the domain is < 4n
+    out[walk] = rounds(out[walk])
+    walk = walk[out[walk] >= n]
+  return out.astype(np.int64)
+
+
+class PackedLMBatcher:
+  """Packed rows: consecutive, non-overlapping windows of a document stream,
+  in a seeded pseudo-random order per epoch.
+
+  Row r holds inputs tokens[r L : (r + 1) L] and targets one token further, so
+  every token is a target once per epoch (L = block_size). Segment ids and
+  positions restart at every document start (from the stored document
+  offsets; a document's EOS is its last token) and at the row start, so a
+  model that masks attention by segment never attends across a document
+  boundary. Epoch e's row order is `permute(., rows, (seed, e))`; batch
+  `step` is the next batch_size rows of it (the remainder is dropped): a pure
+  function of (seed, step) that holds no per-row array.
+  """
+
+  def __init__(self, stream, block_size, batch_size, seed=0, part=None):
+    """Args: stream: a `shards.TokenStream`; the rest as for `LMBatcher`."""
+    self.stream, self.block_size, self.batch_size = stream, block_size, batch_size
+    self.seed, self.part = seed, part
+    self.rows = (len(stream) - 1) // block_size
+    if self.rows < batch_size:
+      raise UserError(f"the token stream has {len(stream)} tokens: {self.rows} "
+                      f"rows of block_size {block_size}, fewer than batch_size "
+                      f"{batch_size}; use smaller batches or more text")
+    self.steps_per_epoch = self.rows // batch_size
+    # The row order and this process's segment ids of the next steps, computed together
+    # (~64k tokens at a time): a memo of the pure function, which training calls in order.
+    self._block = max(1, (1 << 16) // (batch_size * block_size))
+    self._memo = (None,)
+
+  def _plan(self, step):
+    """(rows [batch_size], segment_ids, positions [own rows, block_size]) of `step`."""
+    epoch, i = divmod(step, self.steps_per_epoch)
+    first = i - i % self._block
+    if self._memo[0] != (epoch, first, self.part):
+      last = min(first + self._block, self.steps_per_epoch)
+      rows = permute(np.arange(first * self.batch_size, last * self.batch_size),
+                     self.rows, (self.seed, epoch)).reshape(-1, self.batch_size)
+      lo, hi = row_range(self.batch_size, self.part)
+      segment_ids, positions = self.stream.segments(
+          rows[:, lo:hi].ravel() * self.block_size, self.block_size)
+      shape = (len(rows), hi - lo, self.block_size)
+      self._memo = ((epoch, first, self.part), rows, segment_ids.reshape(shape),
+                    positions.reshape(shape))
+    j = i - first
+    return self._memo[1][j], self._memo[2][j], self._memo[3][j]
+
+  def batch_at(self, step):
+    """The batch of `step`: dict of [batch_size, block_size] int32 arrays
+    inputs, targets, segment_ids (from 1), positions (from 0)."""
+    rows, segment_ids, positions = self._plan(step)
+    starts, length = rows * self.block_size, self.block_size
+
+    def read(lo, hi):
+      w = self.stream.take(starts[lo:hi], length + 1)
+      return np.stack([w[:, :-1], w[:, 1:], segment_ids, positions], axis=1)
+
+    out = _own_rows(read, self.batch_size, self.part, (4, length))
+    names = ("inputs", "targets", "segment_ids", "positions")
+    return {k: np.ascontiguousarray(out[:, j]) for j, k in enumerate(names)}

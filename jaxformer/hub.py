@@ -59,17 +59,45 @@ def load_dataset(name: str, config: str, split: str | None = None, *, local_hint
   Returns:
     A `datasets.Dataset` (with `split`) or `DatasetDict`.
   """
+  return _load(name, config, split, local_hint)
+
+
+# datasets' packaged builders: with data_files they read local files and need no network.
+PACKAGED = ("text", "json", "csv", "parquet", "arrow")
+
+
+def load_streaming(name: str, config: str | None = None, *, data_files=None, streaming: bool = True,
+                   local_hint: str, **kwargs):
+  """All splits of a dataset as iterables of rows, read as they are consumed: the streaming variant
+  of `load_dataset`, with the same fast one-line failures.
+
+  `datasets.load_dataset(name, config, data_files=..., streaming=True, **kwargs)`: rows come off the
+  hub (or local files, for name "text"/"json" with `data_files`) without a full download first.
+  In offline mode (HF_DATASETS_OFFLINE/HF_HUB_OFFLINE), and with `streaming=False`, datasets
+  reads (or first fills) its cache instead, since streaming always asks the hub.
+  Returns:
+    A `datasets.IterableDatasetDict` or `DatasetDict`: split name -> rows (dicts).
+  """
+  import datasets  # Lazy, as above.
+  if data_files:
+    kwargs["data_files"] = data_files
+  if streaming and not datasets.config.HF_HUB_OFFLINE:
+    kwargs["streaming"] = True
+  return _load(name, config, None, local_hint, needs_hub=not (name in PACKAGED and data_files), **kwargs)
+
+
+def _load(name, config, split, local_hint, needs_hub=True, **kwargs):
   import datasets  # Lazy: a heavy import, only hub users pay for it.
   what = f"{name}/{config}" + (f" split '{split}'" if split else "")
   cache_hint = "or, with a filled datasets cache, run with HF_DATASETS_OFFLINE=1"
   offline = datasets.config.HF_HUB_OFFLINE  # HF_DATASETS_OFFLINE, else HF_HUB_OFFLINE, as datasets reads them.
   endpoint = datasets.config.HF_ENDPOINT
   # A local dataset directory (which datasets loads before asking the hub) needs no network.
-  if not offline and not os.path.isdir(name) and not reachable(endpoint):
+  if needs_hub and not offline and not os.path.isdir(name) and not reachable(endpoint):
     raise UserError(f"cannot load {what}: the Hugging Face hub ({endpoint}) is not reachable from here; "
                     f"{local_hint}, {cache_hint}")
   try:
-    return datasets.load_dataset(name, config, split=split)
+    return datasets.load_dataset(name, config, split=split, **kwargs)
   except Exception as e:  # Auth, unknown name/config/split, not in the cache, a network error after retries.
     msg = str(e).strip().split("\n")[0][:200]
     if offline:

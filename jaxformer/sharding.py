@@ -91,6 +91,20 @@ def use_mesh(mesh: Mesh):
     yield
 
 
+def batch_part(sharding: NamedSharding):
+  """(first, stop, parts): this process's devices hold parts [first, stop) of the batch axis,
+  which `sharding` splits into `parts` equal parts ((0, parts, parts) on one process).
+
+  Tasks read only these rows of each batch (`data.row_range`); `global_batch` copies the
+  same rows, so what a process does not read it never sends.
+  """
+  spec = sharding.spec[0] if len(sharding.spec) else None
+  names = spec if isinstance(spec, tuple) else (spec,) if spec else ()
+  parts = int(np.prod([sharding.mesh.shape[a] for a in names])) if names else 1
+  rows = [idx[0].indices(parts)[:2] for idx in sharding.addressable_devices_indices_map((parts,)).values()]
+  return min(r[0] for r in rows), max(r[1] for r in rows), parts
+
+
 def global_batch(batch, sharding: NamedSharding):
   """A global jax.Array from a numpy batch that every process holds in full.
 

@@ -1,72 +1,31 @@
 """The two tasks the one training loop serves: translation and language modelling.
 
-A task owns its data (text -> tokenizer -> cached ids -> static-shape batches) and
-its loss. Batches are pure functions of the step (`train_batch(step)`), which makes
+A task owns its data (text -> tokenizer -> token shards prepared once on disk by
+`jaxformer.prepare` -> static-shape batches read through memory maps, with the model's special
+ids) and its loss. Batches are pure functions of the step (`train_batch(step)`), which makes
 resuming exact without any iterator state.
 """
 
+import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxformer import data as data_lib
-from jaxformer import hub
 from jaxformer import layers
 from jaxformer import losses
-from jaxformer import synthetic
-from jaxformer import tokenizer as tokenizer_lib
+from jaxformer import prepare
+from jaxformer import shards
+from jaxformer import sources
 from jaxformer.config import Config
 from jaxformer.errors import UserError
 
-
-def tokenizer_path(cfg: Config, workdir):
-  """Where the run's tokenizer lives (the config's path, or inside the workdir)."""
-  if cfg.data.tokenizer_path:
-    return cfg.data.tokenizer_path
-  if cfg.data.tokenizer == "byte":
-    return "byte"
-  json_kinds = ("char", "hf", "marian")
-  return os.path.join(workdir, "tokenizer.json" if cfg.data.tokenizer in json_kinds else "tokenizer.model")
-
-
-def local_file(key, path):
-  """`path` (the value of config field `key`) if it is a file, else a one-line error saying how to set it."""
-  if not os.path.isfile(path):
-    raise UserError(f"{key}={path}: file not found; set {key}=FILE (recipes that read the small corpora "
-                    "beside a checkout, ../shared/data, find them elsewhere through JAXFORMER_DATA=DIR)")
-  return path
-
-
-def load_translation_splits(cfg: Config, need_train=True):
-  """{"train": (src, tgt), "dev": ..., "test": ...} as lists of str, from the configured source.
-
-  need_train=False (evaluation, e.g. of a converted model): a local source may give only dev/test files.
-  """
-  d = cfg.data
-  if d.source == "synthetic":
-    en, de = synthetic.numbers_corpus(d.synthetic_size, seed=0)
-    (train_en, train_de), (test_en, test_de) = synthetic.split_train_test(en, de, 0.1, seed=0)
-    half = len(test_en) // 2
-    return {"train": (train_en, train_de), "dev": (test_en[:half], test_de[:half]),
-            "test": (test_en[half:], test_de[half:])}
-  if d.source == "hub":
-    name = f"hf:{d.hub_name}"
-    get = lambda split: data_lib.load_translation(name, split, d.src_lang, d.tgt_lang, d.hub_config)
-    return {"train": get("train"), "dev": get("validation"), "test": get("test")}
-  if d.source == "local":
-    splits = {}
-    for split in ("train", "dev", "test"):
-      src, tgt = getattr(d, f"{split}_src"), getattr(d, f"{split}_tgt")
-      if src or tgt:
-        splits[split] = data_lib.read_parallel(local_file(f"data.{split}_src", src),
-                                               local_file(f"data.{split}_tgt", tgt))
-    if "train" not in splits and need_train:
-      raise UserError("data.source=local needs data.train_src and data.train_tgt")
-    return splits
-  raise UserError(f"data.source={d.source!r}: choose local, hub or synthetic")
+# Where the data and tokenizer live, and the dev/test text BLEU reads: `prepare` and `sources`.
+tokenizer_path = prepare.tokenizer_path
+local_file = sources.local_file
+load_translation_splits = sources.load_translation_splits
 
 
 class TranslationTask:
@@ -74,28 +33,23 @@ class TranslationTask:
 
   name = "translation"
 
-  def __init__(self, cfg: Config, workdir, batch_multiple=1, log=print, splits=None):
+  def __init__(self, cfg: Config, workdir, batch_multiple=1, log=print, part=None):
+    """Prepares the data on first use (`prepare.ensure_prepared`) and reads it memory-mapped.
+
+    `part` (see `data.row_range`): this process reads only its rows of each batch.
+    """
     d = cfg.data
     self.cfg = cfg
-    self.splits = splits or load_translation_splits(cfg)
+    manifest = prepare.ensure_prepared(cfg, workdir, log)
     self.tokenizer_path = tokenizer_path(cfg, workdir)
-    train_src, train_tgt = self.splits["train"]
-    if d.tokenizer in ("sentencepiece", "char") and not os.path.exists(self.tokenizer_path):
-      log(f"training a joint {d.tokenizer} tokenizer ({cfg.model.vocab_size} pieces) on "
-          f"{len(train_src):,} pairs -> {self.tokenizer_path}")
-    self.tokenizer = tokenizer_lib.load_or_train_tokenizer(
-        d.tokenizer, self.tokenizer_path, [*train_src, *train_tgt], cfg.model.vocab_size)
+    self.tokenizer = tok = prepare.load_run_tokenizer(cfg, self.tokenizer_path)
     if self.tokenizer.vocab_size > cfg.model.vocab_size:
       raise UserError(f"tokenizer has {self.tokenizer.vocab_size} ids but model.vocab_size="
                       f"{cfg.model.vocab_size}")
-    tok = self.tokenizer.use_model_ids(cfg.model.pad_id, cfg.model.bos_id, cfg.model.eos_id, "the config")
-    names = list(self.splits)
-    # Sources and targets alternate; a tokenizer with a target side of its own (Marian) splits targets with it.
-    own_target = type(tok).encode_target is not tokenizer_lib.Tokenizer.encode_target
-    ids = data_lib.tokenize_corpus(self.tokenizer_path, [t for n in names for t in self.splits[n]],
-                                   cache_path=os.path.join(workdir, "cache"), num_proc=d.num_proc,
-                                   targets=tuple(range(1, 2 * len(names), 2)) if own_target else ())
-    self.ids = {n: (ids[2 * i], ids[2 * i + 1]) for i, n in enumerate(names)}
+    ddir = prepare.data_dir(cfg, workdir)
+    self.ids = {n: (shards.RaggedShards(ddir, n, "src", manifest), shards.RaggedShards(ddir, n, "tgt", manifest))
+                for n in ("train", "dev", "test") if n in manifest["splits"]}
+    self._splits = None
     # Gradient accumulation splits each step's batch into equal micro-batches inside
     # the jitted step, so bucket batch sizes must be multiples of both. The lcm (not the
     # product) with the data-parallel size keeps the global batch the same on 1 or 8 devices.
@@ -105,7 +59,7 @@ class TranslationTask:
         f"{counts['too_long']:,} longer than {d.max_len - 1} tokens dropped")
     special = {"pad_id": tok.pad_id, "bos_id": tok.bos_id, "eos_id": tok.eos_id}
     self.train = data_lib.Batcher(*self.ids["train"], d.tokens_per_batch, d.max_len, seed=cfg.train.seed,
-                                  batch_multiple=multiple, indices=kept, **special)
+                                  batch_multiple=multiple, indices=kept, part=part, **special)
     self.eval = {}
     for split in ("dev", "test"):
       if split in self.ids:
@@ -116,9 +70,16 @@ class TranslationTask:
         eval_max = max(d.max_len, need)
         self.eval[split] = data_lib.Batcher(src, tgt, max(d.tokens_per_batch // 2, eval_max * batch_multiple),
                                             eval_max, shuffle=False, batch_multiple=batch_multiple,
-                                            buckets=tuple(sorted(set(buckets))), **special)
+                                            buckets=tuple(sorted(set(buckets))), part=part, **special)
     log(f"train: {self.train.steps_per_epoch:,} batches per epoch, shapes {self.train.shapes()}, "
         f"padding {100 * self.train.padding_fraction():.1f}%")
+
+  @property
+  def splits(self):
+    """The dev/test text, {"dev": (sources, references), ...}: read on first use (BLEU needs it)."""
+    if self._splits is None:
+      self._splits = load_translation_splits(self.cfg, names=tuple(n for n in ("dev", "test") if n in self.ids))
+    return self._splits
 
   def train_batch(self, step):
     """The batch of global `step`: dict of [batch, length] int32 numpy arrays."""
@@ -149,46 +110,47 @@ class TranslationTask:
 
 
 class LMTask:
-  """Text -> tokenizer -> one token stream -> random windows -> next-token loss."""
+  """Prepared token shards -> random windows or packed rows -> next-token loss."""
 
   name = "lm"
 
-  def __init__(self, cfg: Config, workdir, batch_multiple=1, log=print):
+  def __init__(self, cfg: Config, workdir, batch_multiple=1, log=print, part=None):
+    """Prepares the data on first use (`prepare.ensure_prepared`) and reads it memory-mapped.
+
+    `part` (see `data.row_range`): this process reads only its rows of each batch.
+    """
     d = cfg.data
     self.cfg = cfg
-    if d.source == "local":
-      if not d.text_path:
-        raise UserError("data.source=local needs data.text_path for a language model")
-      text = "\n".join(data_lib.read_lines(local_file("data.text_path", d.text_path))) + "\n"
-      train_text, val_text = data_lib.nanogpt_split(text, d.train_fraction)
-      train_docs, val_docs = [train_text], [val_text]
-    elif d.source == "hub":
-      ds = hub.load_dataset(d.hub_name, d.hub_config,
-                            local_hint="to use a local text file set data.source=local data.text_path=FILE")
-      train_docs, val_docs = ds["train"]["text"], ds["validation"]["text"]
-    else:
-      raise UserError(f"data.source={d.source!r}: a language model reads local or hub text")
+    manifest = prepare.ensure_prepared(cfg, workdir, log)
     self.tokenizer_path = tokenizer_path(cfg, workdir)
-    self.tokenizer = tokenizer_lib.load_or_train_tokenizer(
-        d.tokenizer, self.tokenizer_path, train_docs,
-        cfg.model.vocab_size if d.tokenizer == "sentencepiece" else None)
+    self.tokenizer = prepare.load_run_tokenizer(cfg, self.tokenizer_path)
     if self.tokenizer.vocab_size > cfg.model.vocab_size:
       raise UserError(f"the {d.tokenizer} tokenizer has {self.tokenizer.vocab_size} ids but "
                       f"model.vocab_size={cfg.model.vocab_size}; set model.vocab_size={self.tokenizer.vocab_size}")
-    self.tokenizer.use_model_ids(cfg.model.pad_id, cfg.model.bos_id, cfg.model.eos_id, "the config")
-    # A single document (Tiny Shakespeare) gets no EOS, matching nanoGPT's stream.
-    add_eos = len(train_docs) > 1
-    self.train_stream = data_lib.lm_token_stream(train_docs, self.tokenizer, add_eos, d.add_bos)
-    self.val_stream = data_lib.lm_token_stream(val_docs, self.tokenizer, add_eos, d.add_bos)
-    self.val_text = "\n".join(val_docs)
+    self.data_dir = prepare.data_dir(cfg, workdir)
+    self.train_stream = shards.TokenStream(self.data_dir, "train", "text", manifest)
+    self.val_stream = shards.TokenStream(self.data_dir, "val", "text", manifest)
+    self._manifest = manifest
     if d.batch_size % batch_multiple or d.batch_size % cfg.optim.grad_accum_steps:
       raise UserError(f"data.batch_size={d.batch_size} must be a multiple of the data-parallel size "
                       f"({batch_multiple}) and of optim.grad_accum_steps ({cfg.optim.grad_accum_steps})")
-    eos = self.tokenizer.eos_id
-    self.train = data_lib.LMBatcher(self.train_stream, d.block_size, d.batch_size, seed=cfg.train.seed, eos_id=eos)
-    self.val = data_lib.LMBatcher(self.val_stream, d.block_size, d.batch_size, seed=cfg.train.seed + 1, eos_id=eos)
+    if d.packing == "packed":  # segments from the stored document offsets
+      batcher = data_lib.PackedLMBatcher
+    else:  # random windows: segments start after the model's EOS (a single document has none), as before shards
+      batcher = functools.partial(data_lib.LMBatcher, eos_id=self.tokenizer.eos_id)
+    self.train = batcher(self.train_stream, d.block_size, d.batch_size, seed=cfg.train.seed, part=part)
+    self.val = batcher(self.val_stream, d.block_size, d.batch_size, seed=cfg.train.seed + 1, part=part)
     log(f"lm: {len(self.train_stream):,} train tokens, {len(self.val_stream):,} val tokens, "
-        f"vocab {self.tokenizer.vocab_size}")
+        f"vocab {self.tokenizer.vocab_size} ({d.packing.replace('_', ' ')} from {self.data_dir})")
+
+  @property
+  def val_text(self):
+    """The validation documents' text, joined by newlines (eval.py's perplexity reads it)."""
+    parts = []
+    for k in range(len(self._manifest["splits"]["val"]["shards"])):
+      with open(shards.text_path(shards.shard_stem(self.data_dir, "val", k)), encoding="utf-8") as f:
+        parts.append(f.read())
+    return "\n".join(parts)
 
   def _prepare(self, batch):
     if not self.cfg.data.use_segments:
@@ -226,8 +188,8 @@ def model_loss(model, params, args, rngs, deterministic, targets, weights, label
   """
   variables = {"params": params}
   mesh = jax.sharding.get_abstract_mesh()  # the batch is split over data x fsdp while a step is traced
-  shards = math.prod(mesh.shape.get(axis, 1) for axis in ("data", "fsdp")) if mesh.shape else 1
-  chunk = losses.logits_chunk(model.cfg.logits_chunk, targets.size, model.cfg.vocab_size, shards)
+  batch_shards = math.prod(mesh.shape.get(axis, 1) for axis in ("data", "fsdp")) if mesh.shape else 1
+  chunk = losses.logits_chunk(model.cfg.logits_chunk, targets.size, model.cfg.vocab_size, batch_shards)
   if not chunk:
     logits = model.apply(variables, *args, deterministic=deterministic, rngs=rngs)
     return losses.cross_entropy(logits, targets, weights, label_smoothing)
@@ -237,7 +199,7 @@ def model_loss(model, params, args, rngs, deterministic, targets, weights, label
   return losses.chunked_cross_entropy(hidden, weights_and_bias, targets, weights, label_smoothing, chunk, project)
 
 
-def make_task(cfg: Config, workdir, batch_multiple=1, log=print):
-  """The task the config's `data.task` names."""
+def make_task(cfg: Config, workdir, batch_multiple=1, log=print, part=None):
+  """The task the config's `data.task` names; `part`: this process's rows (see `data.row_range`)."""
   cls = TranslationTask if cfg.data.task == "translation" else LMTask
-  return cls(cfg, workdir, batch_multiple=batch_multiple, log=log)
+  return cls(cfg, workdir, batch_multiple=batch_multiple, log=log, part=part)

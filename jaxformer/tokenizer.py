@@ -185,6 +185,10 @@ class ByteTokenizer(Tokenizer):
   def encode(self, text):
     return [b + NUM_SPECIALS for b in text.encode("utf-8")]
 
+  def encode_array(self, text):
+    """Returns the ids of `text` as an int32 array [bytes] (numpy, for whole corpora)."""
+    return np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int32) + NUM_SPECIALS
+
   def _decode_clean(self, ids):
     return bytes(i - NUM_SPECIALS for i in ids if i >= NUM_SPECIALS).decode(
         "utf-8", errors="replace")

@@ -147,11 +147,12 @@ def setup(cfg, workdir, log=print):
   """Builds mesh, task, model, optimizer and the (restored or fresh) sharded state."""
   mesh = sharding.make_mesh(cfg.mesh)
   data_parallel = mesh.shape["data"] * mesh.shape["fsdp"]
-  # Multi-host: process 0 trains the tokenizer and fills the data cache before the
-  # others read them (a shared workdir would otherwise see concurrent writes).
+  # Multi-host: process 0 trains the tokenizer and prepares the data (on first use) before
+  # the others read them (a shared workdir would otherwise see concurrent writes).
   if jax.process_index() > 0:
     multihost_utils.sync_global_devices("jaxformer.setup")
-  task = tasks.make_task(cfg, workdir, batch_multiple=data_parallel, log=log)
+  task = tasks.make_task(cfg, workdir, batch_multiple=data_parallel, log=log,
+                         part=sharding.batch_part(sharding.batch_sharding(mesh)))  # read only this process's rows
   if jax.process_count() > 1 and jax.process_index() == 0:
     multihost_utils.sync_global_devices("jaxformer.setup")
   model = model_lib.build_model(cfg.model)
@@ -400,12 +401,21 @@ def sample_text(model, params, tokenizer, cfg, step, prompt="\n", max_new_tokens
 
 
 def copy_init_tokenizer(cfg, workdir, log=print):
-  """train.init_from: the run uses that workdir's tokenizer, copied in (unless data.tokenizer_path names one)."""
+  """train.init_from: the run uses that workdir's tokenizer, copied in (unless data.tokenizer_path names one).
+
+  Called before the task is made: data preparation then finds the tokenizer where it looks
+  (`tasks.tokenizer_path`: the workdir, or data.data_dir) and reuses it instead of training one.
+  """
   if cfg.data.tokenizer_path:
     return
-  mine, theirs = tasks.tokenizer_path(cfg, workdir), tasks.tokenizer_path(cfg, cfg.train.init_from)
+  source = cfg.train.init_from
+  saved = os.path.join(source, "config.json")  # where that run keeps its tokenizer (its data.data_dir, maybe)
+  source_cfg = (config_lib.load_config(saved) if os.path.isfile(saved)
+                else config_lib.replace(cfg, **{"data.data_dir": ""}))
+  mine, theirs = tasks.tokenizer_path(cfg, workdir), tasks.tokenizer_path(source_cfg, source)
   if mine == "byte" or os.path.exists(mine) or not os.path.isfile(theirs):
     return
+  os.makedirs(os.path.dirname(os.path.abspath(mine)), exist_ok=True)  # data.data_dir may not exist yet
   shutil.copyfile(theirs, mine + ".tmp")
   os.replace(mine + ".tmp", mine)
   log(f"tokenizer: {theirs} (from train.init_from) -> {mine}")

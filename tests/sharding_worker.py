@@ -75,7 +75,8 @@ def main(name, tmp):
       f.write(TEXT)
     MODELS[name].append(f"data.text_path={text_path}")
   cfg = config(name, "data8")
-  _, task, model, tx, schedule, init_fn, rng, abstract, _ = train.setup(cfg, os.path.join(tmp, "setup"), QUIET)
+  # One workdir per recipe: both workers run at once, and prepared data belongs to one tokenizer.
+  _, task, model, tx, schedule, init_fn, rng, abstract, _ = train.setup(cfg, os.path.join(tmp, f"setup-{name}"), QUIET)
   state0 = jax.device_get(jax.jit(lambda r: nn.unbox(init_fn(r)))(rng))
   batches = [task.train_batch(step) for step in range(STEPS)]
   out = {"devices": jax.device_count(), "runs": {}}

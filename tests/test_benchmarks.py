@@ -70,3 +70,19 @@ def test_ab_function_traces_the_old_function_for_before(tmp_path, monkeypatch, c
   out = capsys.readouterr().out
   assert "losses.cross_entropy at REV vs today" in out and "after / before" in out
   assert re.search(r"temp memory [1-9][\d,]* -> [1-9][\d,]* MiB", out), out  # XLA's memory analysis, both steps
+
+
+def test_prepare_benchmark_makes_a_seeded_corpus_outside_the_repository(tmp_path):
+  bench = _load("prepare")
+  if not os.path.isdir(bench.DEFAULT_DATA):
+    pytest.skip("shared data absent")
+  for name in ("a.txt", "b.txt"):
+    bench.make_corpus(str(tmp_path / name), 300_000, bench.DEFAULT_DATA)
+  text = (tmp_path / "a.txt").read_bytes()
+  assert text == (tmp_path / "b.txt").read_bytes() and len(text) >= 300_000  # seeded
+  docs = text.decode().split("\n")[:-1]
+  assert len(docs) > 10 and all(d.strip() for d in docs)  # a document per line
+  assert bench.digest(str(tmp_path)) == {n: __import__("hashlib").sha256((tmp_path / n).read_bytes()).hexdigest()
+                                         for n in ("a.txt", "b.txt")}
+  with pytest.raises(SystemExit, match="inside the repository"):
+    bench.main(["--dir", os.path.join(ROOT, "corpus")])

@@ -27,6 +27,9 @@ from jaxformer import convert
 from jaxformer import decode
 from jaxformer import evaluate
 from jaxformer import generate
+from jaxformer import prepare
+from jaxformer import shards
+from jaxformer import tasks
 from jaxformer import train
 from jaxformer.errors import UserError
 
@@ -300,6 +303,79 @@ def test_converted_workdirs_generate_translate_and_fine_tune(converted, tmp_path
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                result["state"]["params"], params)
   assert np.isfinite(result["loss"])
+
+
+def test_prepare_uses_a_converted_llama3_tokenizer_and_its_ids(converted, tmp_path, monkeypatch):
+  """train.init_from copies the hf tokenizer.json before preparing; worker processes load it; every
+  document is BOS + transformers' ids + EOS with Llama 3's ids (380, 381), and random windows start
+  a segment after that EOS."""
+  workdir, cfg, _, _, tok = converted("llama3")
+  _, meta = expected("llama3")
+  cases = [c for c in meta["tokenizer"] if "\n" not in c["text"]]
+  (tmp_path / "docs.txt").write_text("".join(c["text"] + "\n" for c in cases) * 20)
+  monkeypatch.setattr(prepare, "CHUNK_CHARS", 300)  # many chunks: two worker processes tokenize
+  fine = str(tmp_path / "fine")
+  ft_cfg = config_lib.load_config(os.path.join(workdir, "config.json"), [
+      f"train.init_from={workdir}", f"data.text_path={tmp_path / 'docs.txt'}", "data.doc_per=line",
+      "data.num_proc=2", "data.block_size=64", "data.batch_size=4"])
+  assert (ft_cfg.model.bos_id, ft_cfg.model.eos_id, ft_cfg.data.add_bos) == (380, 381, True)
+  with pytest.raises(UserError, match=r"^hf tokenizer \S+/tokenizer\.json not found: it comes with a converted model"):
+    tasks.LMTask(ft_cfg, str(tmp_path / "no_tokenizer"), **QUIET)  # never trained: one line
+  os.makedirs(fine)
+  train.copy_init_tokenizer(ft_cfg, fine, **QUIET)
+  task = tasks.LMTask(ft_cfg, fine, **QUIET)
+  want = sorted([tuple([380] + c["ids"] + [381]) for c in cases] * 20)
+  got = [tuple(doc.tolist()) for split in ("train", "val")
+         for doc in shards.TokenStream(task.data_dir, split, "text").documents()]
+  assert sorted(got) == want and len(shards.read_manifest(task.data_dir)["splits"]["val"]["shards"]) == 1
+  batch = task.train_batch(0)
+  eos_inside = batch["inputs"][:, :-1] == 381
+  assert eos_inside.any() and batch["segment_ids"].max() > 1
+  new = np.zeros(batch["inputs"].shape, bool)
+  new[:, 1:] = eos_inside
+  np.testing.assert_array_equal(batch["segment_ids"], 1 + np.cumsum(new, axis=1))
+  assert (batch["inputs"][new] == 380).all()  # each new segment starts with its document's BOS
+  # With a shared data.data_dir the tokenizer goes there, next to the data it makes (from W's own place).
+  shared = config_lib.replace(ft_cfg, **{"data.data_dir": str(tmp_path / "shared")})
+  train.copy_init_tokenizer(shared, str(tmp_path / "other"), **QUIET)
+  assert (tmp_path / "shared" / "tokenizer.json").read_bytes() == pathlib.Path(workdir, "tokenizer.json").read_bytes()
+
+
+def test_marian_translation_data_is_prepared_with_its_target_side(converted, tmp_path, monkeypatch):
+  """A converted Marian model's fine-tuning data: sources split by source.spm and targets by
+  target.spm (as transformers' text_target), by two worker processes; batches pad with 261, end
+  in EOS 0 and start the decoder with 261, also when a process reads only its half of the rows."""
+  workdir, cfg, _, _, tok = converted("marian")
+  _, meta = expected("marian")
+  cases = [c for c in meta["tokenizer"] if "\n" not in c["text"]]
+  n = len(cases) * len(meta["targets"]) * 4
+  src = [cases[i % len(cases)] for i in range(n)]
+  tgt = [(meta["targets"][i % 2], meta["target_ids"][i % 2]) for i in range(n)]
+  (tmp_path / "train.en").write_text("".join(c["text"] + "\n" for c in src))
+  (tmp_path / "train.de").write_text("".join(t + "\n" for t, _ in tgt))
+  monkeypatch.setattr(prepare, "CHUNK_CHARS", 300)
+  fine = str(tmp_path / "fine")
+  overrides = [f"train.init_from={workdir}", "data.source=local", f"data.train_src={tmp_path / 'train.en'}",
+               f"data.train_tgt={tmp_path / 'train.de'}", "data.num_proc=2", "data.batch_multiple=1"]
+  ft_cfg = config_lib.load_config(os.path.join(workdir, "config.json"), overrides)
+  assert (ft_cfg.model.pad_id, ft_cfg.model.bos_id, ft_cfg.model.eos_id) == (261, 261, 0)
+  assert ft_cfg.data.tokenizer == "marian"
+  os.makedirs(fine)
+  train.copy_init_tokenizer(ft_cfg, fine, **QUIET)
+  task = tasks.TranslationTask(ft_cfg, fine, batch_multiple=2, **QUIET)
+  source_ids, target_ids = task.ids["train"]
+  for i in range(n):  # transformers' ids end in </s>; the shards hold none (the batcher adds it)
+    assert source_ids[i].tolist() == src[i]["ids"][:-1] and target_ids[i].tolist() == tgt[i][1][:-1], i
+  rows = np.arange(len(cases) * 2)
+  batch = task.train.make_batch(rows)
+  for r in rows:
+    s, t = src[r]["ids"], tgt[r][1]
+    assert batch["inputs"][r].tolist() == s + [261] * (batch["inputs"].shape[1] - len(s))
+    assert batch["targets"][r].tolist() == t + [261] * (batch["targets"].shape[1] - len(t))
+    assert batch["decoder_inputs"][r].tolist() == [261] + t[:-1] + [261] * (batch["targets"].shape[1] - len(t))
+  half = tasks.TranslationTask(ft_cfg, fine, batch_multiple=2, part=(1, 2, 2), **QUIET).train.make_batch(rows)
+  for key, value in batch.items():
+    np.testing.assert_array_equal(half[key][len(rows) // 2:], value[len(rows) // 2:], err_msg=key)
 
 
 def test_fine_tuning_with_scanned_layers_and_exporting_it(converted, tmp_path):

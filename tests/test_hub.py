@@ -131,7 +131,7 @@ def test_offline_mode_asks_the_cache_first(monkeypatch):
   monkeypatch.setattr(datasets, "load_dataset", not_cached)
   with pytest.raises(UserError, match=r"wikitext/wikitext-103-raw-v1 from the datasets cache .* offline mode.*"
                                       r"data\.source=local data\.text_path="):
-    tasks.LMTask(config_lib.load_config("gpt2_small"), "unused")
+    tasks.LMTask(config_lib.load_config("wikitext103"), "unused")
   assert calls == [("wikitext", "wikitext-103-raw-v1", None)]
 
 
@@ -141,7 +141,7 @@ def test_unreachable_hub_refused_before_load_dataset(monkeypatch):
   monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("load_dataset called"))
   with pytest.raises(UserError, match=r"hub \(http://127\.0\.0\.1:9\) is not reachable.*data\.text_path=FILE.*"
                                       r"HF_DATASETS_OFFLINE=1"):
-    tasks.LMTask(config_lib.load_config("gpt2_small"), "unused")
+    tasks.LMTask(config_lib.load_config("wikitext103"), "unused")
   with pytest.raises(UserError, match=r"wmt14/de-en split 'test'.*data\.train_src=FILE\.en data\.train_tgt=FILE\.de"):
     data.load_translation("hf:wmt14", "test", "en", "de")
 

@@ -190,17 +190,19 @@ def _other_tokenizer(path):
   return path
 
 
+# Cases with another source or tokenizer get a data folder of their own: the baseline's prepared
+# data would refuse them first, with its own one-line error (tests/test_prepare.py).
 BAD_TRAIN = [
     (["model.num_layres=2"], "unknown config key 'model.num_layres' (did you mean 'model.num_layers'?)"),
     (["train.num_steps=ten"], "override train.num_steps='ten': expected int"),
-    (["data.source=local", "data.train_src={tmp}/a.en", "data.train_tgt={tmp}/a.de"],
+    (["data.source=local", "data.train_src={tmp}/a.en", "data.train_tgt={tmp}/a.de", "data.data_dir={tmp}/data"],
      "parallel files differ in length: {tmp}/a.en has 3 lines, {tmp}/a.de has 2"),
-    (["data.source=local", "data.train_src={tmp}/empty.en", "data.train_tgt={tmp}/a.de"],
+    (["data.source=local", "data.train_src={tmp}/empty.en", "data.train_tgt={tmp}/a.de", "data.data_dir={tmp}/data"],
      "{tmp}/empty.en: file is empty"),
-    (["data.source=local", "data.train_src={tmp}/latin1.en", "data.train_tgt={tmp}/a.de"],
-     "{tmp}/latin1.en:2: not valid UTF-8"),
+    (["data.source=local", "data.train_src={tmp}/latin1.en", "data.train_tgt={tmp}/a.de",
+      "data.data_dir={tmp}/data"], "{tmp}/latin1.en:2: not valid UTF-8"),
     (["model.d_model=64"], "checkpoint has params/"),
-    (["data.tokenizer_path={tmp}/other.model"], "tokenizer {tmp}/other.model is not the one"),
+    (["data.tokenizer_path={tmp}/other.model", "data.data_dir={tmp}/data"], "tokenizer {tmp}/other.model is not the one"),
 ]
 
 
