@@ -7,12 +7,12 @@ sums, and other damage (bytes flipped, swapped, zeroed) goes unnoticed only by a
 odds ~2^-64. Integer sums modulo 2^32 do not depend on the order of addition, so an array's
 checksum is the same on any device, mesh or sharding, and is computed where the array is:
 
-- on GPU/TPU (and sharded arrays), by a jitted reduction per array: each device sums its own
-  shard, a multi-host array is never gathered, and one small program per distinct shape is
-  compiled;
-- on a CPU, with numpy on the array's own memory, in chunks of 128k elements, one thread per
-  core (XLA:CPU runs an integer reduction fused with arithmetic as a scalar loop, ~4x slower,
-  and would compile a program per shape).
+- on GPU/TPU (and arrays spread over several processes), by a jitted reduction per array: each
+  device sums its own shard, a multi-host array is never gathered, and one small program per
+  distinct shape is compiled;
+- on CPU devices of this process, with numpy on the array's memory (a sharded array is read
+  whole), in chunks of 128k elements, one thread per core (XLA:CPU runs an integer reduction
+  fused with arithmetic as a scalar loop, ~4x slower, and would compile a program per shape).
 
 It is a check against accidental damage (storage, transfer, truncation), not against tampering.
 """
@@ -124,12 +124,15 @@ def fingerprint(tree):
   """({path: 16-hex-digit checksum}, [paths of arrays holding NaN or inf]) of a pytree of arrays.
 
   Paths are `path_str` of the tree paths ('params/decoder/layer_0/ffn/wi/kernel', 'opt_state/0/mu/...').
-  Arrays on one CPU device are summed in host memory (numpy, a thread per core), all others by
-  a jitted reduction on their devices (one small device-to-host copy of the results).
+  Arrays on CPU devices (one, or several of this process) are summed in host memory (numpy, a
+  thread per core), all others by a jitted reduction on their devices (one small device-to-host
+  copy of the results).
   """
   with_path = jax.tree_util.tree_leaves_with_path(tree)
   leaves = [x if isinstance(x, jax.Array) else jnp.asarray(x) for _, x in with_path]
-  on_host = [len(x.devices()) == 1 and next(iter(x.devices())).platform == "cpu" for x in leaves]
+  # CPU arrays (sharded over simulated devices too) are in host memory already: numpy reads them, and
+  # no collective program runs (many tiny all-reduces stalled XLA:CPU's rendezvous on 2 busy cores).
+  on_host = [x.is_fully_addressable and all(d.platform == "cpu" for d in x.devices()) for x in leaves]
   device = {i: _device_fingerprint(x) for i, (x, host) in enumerate(zip(leaves, on_host)) if not host}
   host = dict(zip([i for i, h in enumerate(on_host) if h],
                   _POOL.map(_host_fingerprint, [x for x, h in zip(leaves, on_host) if h])))
