@@ -24,18 +24,19 @@ from jaxformer.model import EncoderDecoder
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # the defaults of ModelConfig.pad_id / bos_id / eos_id
 
 
-def init_cache(model, batch, max_len):
-  """A zeroed KV cache with `max_len` slots per row; only shapes are traced, no parameters built."""
-  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), _cache_shapes(model, batch, max_len))
+def init_cache(model, batch, max_len, source_len=1):
+  """A zeroed KV cache with `max_len` slots per row (and, for an encoder-decoder, room for the
+  cross-attention keys and values of `source_len` source tokens); only shapes are traced."""
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), _cache_shapes(model, batch, max_len, source_len))
 
 
 @functools.lru_cache(maxsize=64)
-def _cache_shapes(model, batch, max_len):
+def _cache_shapes(model, batch, max_len, source_len):
   """The cache's shapes, traced once per (model, size): tracing model.init takes ~0.1 s."""
   def init():
     dummy = jnp.ones((batch, max_len), jnp.int32)
-    if isinstance(model, EncoderDecoder):  # cross-attention has no cache: a 1-token source will do
-      return model.init(jax.random.key(0), jnp.ones((batch, 1), jnp.int32), dummy, decode=True)
+    if isinstance(model, EncoderDecoder):
+      return model.init(jax.random.key(0), jnp.ones((batch, source_len), jnp.int32), dummy, decode=True)
     return model.init(jax.random.key(0), dummy, decode=True)
   return jax.eval_shape(init)["cache"]
 
@@ -59,11 +60,12 @@ def _cache_size(cache):
   return key.shape[2 if _is_scanned(path) else 1]
 
 
-def _map_rows(fn, cache):
+def _map_rows(fn, cache, skip=()):
   """fn(x, axis) on each per-row cache array, `axis` its batch axis (1 when stacked over layers);
-  the `cache_index` counters, shared by all rows, stay as they are."""
+  the `cache_index` counters, shared by all rows, and the entries named in `skip` stay as they are."""
+  keep = ("cache_index", *skip)
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: x if path[-1].key == "cache_index" else fn(x, 1 if _is_scanned(path) else 0), cache)
+      lambda path, x: x if path[-1].key in keep else fn(x, 1 if _is_scanned(path) else 0), cache)
 
 
 def length_penalty(length, alpha, kind="gnmt"):
@@ -87,6 +89,9 @@ def _encode(model, params, inputs):
 
 def _translate_step(model, params, cache, encoded, src_segment, ids, index, suppress_pad=False):
   """Feeds ids [rows] at decoder position `index` -> log-probs [rows, vocab], new cache.
+
+  encoded [rows, src, d_model] on a sentence's first step puts the source's cross-attention
+  keys and values in the cache; None on later steps reads them from there.
 
   suppress_pad: the pad id's log-prob becomes -inf *after* the softmax, as HF's bad-words
   processor does (the other log-probs are not renormalised).
@@ -117,9 +122,9 @@ def greedy_translate(model, params, inputs, max_extra_len=50, eos_id=None, suppr
   row_max = src_len + max_extra_len
   seqs = jnp.full((batch, max_len + 1), pad_id, jnp.int32).at[:, 0].set(bos_id)
 
-  def body(state):
+  def body(state, source=None):
     i, seqs, done, cache = state
-    logp, cache = _translate_step(model, params, cache, encoded, src_segment, seqs[:, i], i, suppress_pad)
+    logp, cache = _translate_step(model, params, cache, source, src_segment, seqs[:, i], i, suppress_pad)
     token = jnp.where(done, pad_id, jnp.argmax(logp, -1))
     done = done | (token == eos_id) | (i + 1 >= row_max)
     return i + 1, seqs.at[:, i + 1].set(token), done, cache
@@ -127,15 +132,19 @@ def greedy_translate(model, params, inputs, max_extra_len=50, eos_id=None, suppr
   def cond(state):
     return (state[0] < max_len) & ~jnp.all(state[2])
 
-  state = (0, seqs, jnp.zeros(batch, bool), init_cache(model, batch, max_len))
+  # The first step (the loop's condition holds before it) also caches the source's keys and values.
+  state = body((0, seqs, jnp.zeros(batch, bool), init_cache(model, batch, max_len, width)), encoded)
   return jax.lax.while_loop(cond, body, state)[1][:, 1:]
 
 
 def _gather_beams(cache, parent):
-  """Row (b, k) of the cache's flattened [batch * beam, ...] rows takes row (b, parent[b, k])."""
+  """Row (b, k) of the cache's flattened [batch * beam, ...] rows takes row (b, parent[b, k]).
+
+  The cross-attention keys and values stay: all beams of a sentence hold the same ones.
+  """
   batch, beam = parent.shape
   rows = (jnp.arange(batch)[:, None] * beam + parent).reshape(-1)
-  return _map_rows(lambda x, axis: jnp.take(x, rows, axis=axis), cache)
+  return _map_rows(lambda x, axis: jnp.take(x, rows, axis=axis), cache, skip=("cross_key", "cross_value"))
 
 
 def _take(x, index):
@@ -177,9 +186,9 @@ def beam_search(model, params, inputs, beam_size=4, alpha=0.6, max_extra_len=50,
   # The encoder ran once; each beam is a row of its own, [batch * beam, ...], beam fastest.
   encoded, src_segment = jnp.repeat(encoded, k, 0), jnp.repeat(src_segment, k, 0)
 
-  def body(s):
+  def body(s, source=None):
     i = s["i"]
-    logp, cache = _translate_step(model, params, s["cache"], encoded, src_segment,
+    logp, cache = _translate_step(model, params, s["cache"], source, src_segment,
                                   s["alive_seqs"][:, :, i].reshape(-1), i, suppress_pad)
     logp = logp.reshape(batch, k, -1) + s["alive_logp"][:, :, None]
     vocab = logp.shape[-1]
@@ -226,10 +235,11 @@ def beam_search(model, params, inputs, beam_size=4, alpha=0.6, max_extra_len=50,
   state = {"i": jnp.array(0), "alive_seqs": seqs, "fin_seqs": seqs,
            # Only beam 0 is real at first; the others would duplicate it.
            "alive_logp": jnp.tile(jnp.array([0.0] + [-jnp.inf] * (k - 1)), (batch, 1)),
-           "fin_score": jnp.full((batch, k), -jnp.inf), "cache": init_cache(model, batch * k, max_len)}
+           "fin_score": jnp.full((batch, k), -jnp.inf), "cache": init_cache(model, batch * k, max_len, width)}
   if hf:
     state["improvable"] = jnp.ones(batch, bool)
-  state = jax.lax.while_loop(cond, body, state)
+  # The first step (the loop's condition holds before it) also caches the source's keys and values.
+  state = jax.lax.while_loop(cond, body, body(state, encoded))
   return state["fin_seqs"][:, :, 1:], state["fin_score"]
 
 

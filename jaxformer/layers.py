@@ -332,23 +332,33 @@ class Attention(nn.Module):
   In decode mode, self-attention keeps `cached_key`/`cached_value` [batch, max_len,
   kv_heads, head_dim] plus the keys' segment ids and positions; each call writes its
   tokens at `cache_index` (prefill many positions, then one per step). The cache size
-  is the length of the input the cache was initialised with.
+  is the length of the input the cache was initialised with. Cross-attention (cross=True)
+  keeps the source's keys and values, `cross_key`/`cross_value` [batch, src_len, kv_heads,
+  head_dim]: computed when a call passes kv_x (a sentence's first step) and read back
+  when kv_x is None (every later step), so the source is projected once per sentence.
   """
   cfg: ModelConfig
   causal: bool = False
+  cross: bool = False
 
   @nn.compact
   def __call__(self, x, q_segment, q_position, kv_x=None, kv_segment=None, kv_position=None,
                deterministic=True, decode=False):
-    """x [batch, q_len, d_model] -> [batch, q_len, d_model]. kv_x=None means self-attention."""
+    """x [batch, q_len, d_model] -> [batch, q_len, d_model]; cross-attention attends to kv_x [batch, src_len, d_model]."""
     cfg = self.cfg
     h, kvh, d = cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
-    cross = kv_x is not None
+    cross = self.cross
     if not cross:
       kv_x, kv_segment, kv_position = x, q_segment, q_position
     q = dense(cfg, (h, d), ("embed", "heads", "kv"), name="query")(x)
-    k = dense(cfg, (kvh, d), ("embed", "kv_heads", "kv"), name="key")(kv_x)
-    v = dense(cfg, (kvh, d), ("embed", "kv_heads", "kv"), name="value")(kv_x)
+    if cross and decode and kv_x is None:  # a later step: the source's keys and values are cached
+      k, v = self.get_variable("cache", "cross_key"), self.get_variable("cache", "cross_value")
+    else:
+      k = dense(cfg, (kvh, d), ("embed", "kv_heads", "kv"), name="key")(kv_x)
+      v = dense(cfg, (kvh, d), ("embed", "kv_heads", "kv"), name="value")(kv_x)
+      if cross and decode:
+        self.put_variable("cache", "cross_key", k)
+        self.put_variable("cache", "cross_value", v)
     if cfg.position == "rope" and not cross:
       q, k = apply_rope(q, q_position, cfg), apply_rope(k, kv_position, cfg)
 

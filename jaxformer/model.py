@@ -60,10 +60,12 @@ class Block(nn.Module):
     x = sublayer(x, lambda y: self_attention(y, segment, position, deterministic=deterministic,
                                              decode=decode), "self_attention")
     if self.cross:
-      cross_attention = layers.Attention(cfg, name="cross_attention")
-      # Packed rows: decoder segment i attends to encoder segment i only.
+      cross_attention = layers.Attention(cfg, cross=True, name="cross_attention")
+      # Packed rows: decoder segment i attends to encoder segment i only. Decoding passes
+      # encoded=None after a sentence's first step: its keys and values are in the cache.
       x = sublayer(x, lambda y: cross_attention(y, segment, position, encoded, encoded_segment,
-                                                None, deterministic=deterministic), "cross_attention")
+                                                None, deterministic=deterministic, decode=decode),
+                   "cross_attention")
     ffn = layers.FeedForward(cfg, name="ffn")
     x = sublayer(x, lambda y: ffn(y, deterministic), "ffn")
     x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
@@ -150,7 +152,9 @@ class EncoderDecoder(nn.Module):
 
   def decode(self, encoded, inputs_segmentation, decoder_inputs, targets_segmentation=None,
              targets_position=None, deterministic=True, decode=False, project=True):
-    """Decoder pass -> logits [batch, tgt_len, vocab]. With decode=True it uses the KV cache.
+    """Decoder pass -> logits [batch, tgt_len, vocab]. With decode=True it uses the KV cache;
+    then `encoded` [batch, src_len, d_model] fills the cache's cross-attention keys and
+    values, and encoded=None reuses them (every step after a sentence's first).
 
     project=False returns the final hidden states [batch, tgt_len, d_model] instead (the
     chunked loss projects them itself, see `output_weight`).
