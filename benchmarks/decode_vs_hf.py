@@ -310,7 +310,7 @@ def prefix_section(args):
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--python", help="the peer's interpreter (torch + transformers); none: ours only")
-  parser.add_argument("--models", default="gpt2,llama")
+  parser.add_argument("--models", default="gpt2,llama", help='decoder-only models to time ("": none)')
   parser.add_argument("--batch", default="1,8")
   parser.add_argument("--prompt", type=int, default=128)
   parser.add_argument("--new", type=int, default=256)
@@ -340,7 +340,7 @@ def main(argv=None):
   peer = Peer(args.python) if args.python else None
   try:
     with tempfile.TemporaryDirectory() as tmp:
-      rows = lm_section(args, peer, bandwidth, peak, tmp)
+      rows = lm_section(args, peer, bandwidth, peak, tmp) if args.models else []
       prefix = prefix_section(args) if args.prefix else None
       translation = translation_section(args, peer, tmp) if args.translation else None
   finally:

@@ -86,3 +86,23 @@ def test_prepare_benchmark_makes_a_seeded_corpus_outside_the_repository(tmp_path
                                          for n in ("a.txt", "b.txt")}
   with pytest.raises(SystemExit, match="inside the repository"):
     bench.main(["--dir", os.path.join(ROOT, "corpus")])
+
+
+def test_decode_vs_hf_writes_the_weights_transformers_reads_and_counts_the_roofline(tmp_path):
+  """The peer gets our very weights (written through convert's tables, read back by its importer),
+  and a step's roofline bytes are every weight once except the input embedding (untied) table."""
+  import jax
+  from jaxformer import convert
+  bench = _load("decode_vs_hf")
+  cfg, _, params = bench.build("llama_tiny", [])
+  hf_dir = bench.write_hf(cfg, params, "llama", str(tmp_path / "hf"))
+  back = convert.read_params(convert.SafetensorsReader(hf_dir), cfg, "llama", hf_dir)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), back, params)
+  seconds, weights, kv = bench.roofline(cfg, params, batch=2, context=10, bandwidth=1e9, peak=1e30)
+  m = cfg.model
+  everything = sum(x.nbytes for x in jax.tree.leaves(params))
+  assert weights == everything - m.vocab_size * m.d_model * 4  # the untied input table: one row per token
+  assert kv == 2 * m.num_layers * m.kv_heads * m.dim_per_head * 4 * 10 * 2
+  assert seconds == pytest.approx((weights + kv) / 1e9)
+  assert bench.compare([[1, 2, 3]], [[1, 2, 3]]) == "identical"
+  assert bench.compare([[1, 2, 3]], [[1, 5, 3]]) == "differ from token 1"
