@@ -3,7 +3,7 @@
     # The peer lives outside this repository (nothing of it is committed here):
     python -m venv ~/peer/hf && ~/peer/hf/bin/pip install torch==2.13.0 transformers safetensors numpy
     python benchmarks/decode_vs_hf.py --python ~/peer/hf/bin/python [--models gpt2,llama] [--batch 1,8]
-        [--prompt 128] [--new 256] [--rounds 2] [--prefix 1000] [--translation] [--fast]
+        [--prompt 128] [--new 256] [--rounds 2] [--prefix 1000] [--translation] [--bf16] [--fast]
 
 One run measures, in this order:
 - The limit: memory bandwidth of this machine now (STREAM-style copy and triad over arrays
@@ -19,6 +19,8 @@ One run measures, in this order:
   with its KV cache, torch on as many threads as cores, the same weights written through
   `jaxformer.convert`'s tensor tables. The two alternate within each round (A, B, A, B) and
   the generated tokens are compared.
+- `--bf16`: ours again with bfloat16 weights, compute and KV cache (half the bytes a step reads),
+  its roofline from those bytes, its tokens compared with float32's.
 - Prefix caching (`--prefix N`): 8 prompts sharing an N-token prefix, time to first token
   with the prefix prefilled once (`decode.prefill_prefix`) against prefilling it per prompt.
 - Translation (`--translation`): beam 4 over Multi30k test2016 (1,000 sentences, a
@@ -182,7 +184,7 @@ def write_hf(cfg, params, kind, out):
   return out
 
 
-def roofline(cfg, params, batch, context, bandwidth, peak):
+def roofline(cfg, params, batch, context, bandwidth, peak, cache_dtype="float32"):
   """Seconds of one decode step (a token for each of `batch` rows at `context` cached keys):
   max(bytes read / bandwidth, FLOPs / peak). Bytes: every weight once, except the input
   embedding and position tables (a row each; the tied table is read whole as the output
@@ -195,7 +197,7 @@ def roofline(cfg, params, batch, context, bandwidth, peak):
     weights -= params["embed"]["embedding"].nbytes
   if "position_embedding" in params.get("decoder", {}):
     weights -= params["decoder"]["position_embedding"].nbytes
-  kv = inspect_lib.kv_cache_bytes_per_token(cfg, "float32") * context * batch
+  kv = inspect_lib.kv_cache_bytes_per_token(cfg, cache_dtype) * context * batch
   flops = batch * inspect_lib.flops_per_token(cfg, context, context)["decode"]
   return max((weights + kv) / bandwidth, flops / peak), weights, kv
 
@@ -230,8 +232,10 @@ MODELS = {
 
 
 def lm_section(args, peer, bandwidth, peak, tmp):
+  import dataclasses
   import jax
   from jaxformer import convert
+  from jaxformer import model as model_lib
   rows = []
   for name in args.models.split(","):
     recipe, overrides = MODELS[name]
@@ -240,33 +244,47 @@ def lm_section(args, peer, bandwidth, peak, tmp):
     kind = convert.infer_model_type(cfg)
     hf_dir = write_hf(cfg, params, kind, os.path.join(tmp, name))
     n_params = sum(x.size for x in jax.tree.leaves(params))
+    if args.bf16:  # bf16 weights, bf16 compute and cache: half the bytes per step, compared with float32's tokens
+      bf16_model = model_lib.build_model(dataclasses.replace(cfg.model, dtype="bfloat16"))
+      bf16_params = jax.device_put(jax.tree.map(lambda x: x.astype(jax.numpy.bfloat16), params))
     for batch in (int(b) for b in args.batch.split(",")):
       prompts = np.random.default_rng(batch).integers(3, cfg.model.vocab_size, (batch, args.prompt)).astype(np.int32)
       ours_lm(model, params_jax, prompts, args.new)  # compile
       times = {"ours": [], "hf": []}
+      if args.bf16:
+        ours_lm(bf16_model, bf16_params, prompts, args.new)  # compile
+        times["ours-bf16"] = []
       for _ in range(args.rounds):
         prefill, total, ours_tokens = ours_lm(model, params_jax, prompts, args.new)
         times["ours"].append((prefill, total))
+        if args.bf16:
+          prefill, total, bf16_tokens = ours_lm(bf16_model, bf16_params, prompts, args.new)
+          times["ours-bf16"].append((prefill, total))
         if peer:
           reply = peer.run({"model": hf_dir, "prompts": prompts.tolist(), "new": args.new})
           times["hf"].append((reply["prefill"], reply["total"]))
           hf_tokens = reply["tokens"]
       step, weights, kv = roofline(cfg, params, batch, args.prompt + args.new // 2, bandwidth, peak)
-      for who in ("ours", "hf"):
+      for who in times:
         if not times[who]:
           continue
+        bound = step
+        if who == "ours-bf16":
+          bound = roofline(cfg, jax.tree.map(np.asarray, bf16_params), batch, args.prompt + args.new // 2,
+                           bandwidth, peak, "bfloat16")[0]
         prefill, total = (float(np.median(x)) for x in zip(*times[who]))
         per_token = (total - prefill) / (args.new - 1)
         rows.append(dict(model=f"{name} ({n_params / 1e6:.0f}M)", batch=batch, who=who, prefill_s=prefill,
                          ms_per_token=1e3 * per_token, tokens_per_s=batch * args.new / total,
-                         roofline_pct=100 * step / per_token, roofline_ms=1e3 * step,
-                         same=compare(ours_tokens, hf_tokens) if peer else "-"))
+                         roofline_pct=100 * bound / per_token, roofline_ms=1e3 * bound,
+                         same=(compare(bf16_tokens, ours_tokens) + " to float32's" if who == "ours-bf16" else
+                               compare(ours_tokens, hf_tokens) if peer else "-")))
       print(f"  {name} batch {batch}: weights {weights / 2**20:.0f} MiB, KV read {kv / 2**20:.1f} MiB per step, "
             f"roofline {1e3 * step:.1f} ms/step", flush=True)
-  print(f"\n{'model':<14}{'batch':>6}{'who':>6}{'prefill s':>11}{'ms/token':>10}{'tokens/s':>10}"
+  print(f"\n{'model':<14}{'batch':>6}{'who':>10}{'prefill s':>11}{'ms/token':>10}{'tokens/s':>10}"
         f"{'roofline':>10}  tokens")
   for r in rows:
-    print(f"{r['model']:<14}{r['batch']:>6}{r['who']:>6}{r['prefill_s']:>11.3f}{r['ms_per_token']:>10.1f}"
+    print(f"{r['model']:<14}{r['batch']:>6}{r['who']:>10}{r['prefill_s']:>11.3f}{r['ms_per_token']:>10.1f}"
           f"{r['tokens_per_s']:>10.1f}{r['roofline_pct']:>9.0f}%  {r['same']}")
   return rows
 
@@ -320,6 +338,7 @@ def main(argv=None):
   parser.add_argument("--sentences", type=int, default=1000, help="translation: the first N of test2016")
   parser.add_argument("--extra", type=int, default=50, help="translation: max length = source + this")
   parser.add_argument("--beam-batch", type=int, default=64, help="translation: sentences per batch")
+  parser.add_argument("--bf16", action="store_true", help="also ours with bfloat16 weights, compute and cache")
   parser.add_argument("--fast", action="store_true", help="smoke run: tiny shapes")
   parser.add_argument("--hf-worker", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)

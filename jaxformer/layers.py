@@ -329,11 +329,11 @@ def dot_product_attention(q, k, v, mask, bias=None, dropout_rate=0.0, dropout_rn
 class Attention(nn.Module):
   """Multi-head self- or cross-attention with GQA/MQA and a static-size KV cache.
 
-  In decode mode, self-attention keeps `cached_key`/`cached_value` [batch, max_len,
-  kv_heads, head_dim] plus the keys' segment ids and positions; each call writes its
+  In decode mode, self-attention keeps `cached_key`/`cached_value` [batch, kv_heads,
+  max_len, head_dim] plus the keys' segment ids and positions; each call writes its
   tokens at `cache_index` (prefill many positions, then one per step). The cache size
   is the length of the input the cache was initialised with. Cross-attention (cross=True)
-  keeps the source's keys and values, `cross_key`/`cross_value` [batch, src_len, kv_heads,
+  keeps the source's keys and values, `cross_key`/`cross_value` [batch, kv_heads, src_len,
   head_dim]: computed when a call passes kv_x (a sentence's first step) and read back
   when kv_x is None (every later step), so the source is projected once per sentence.
   """
@@ -352,13 +352,13 @@ class Attention(nn.Module):
       kv_x, kv_segment, kv_position = x, q_segment, q_position
     q = dense(cfg, (h, d), ("embed", "heads", "kv"), name="query")(x)
     if cross and decode and kv_x is None:  # a later step: the source's keys and values are cached
-      k, v = self.get_variable("cache", "cross_key"), self.get_variable("cache", "cross_value")
+      k, v = (_from_head_major(self.get_variable("cache", n)) for n in ("cross_key", "cross_value"))
     else:
       k = dense(cfg, (kvh, d), ("embed", "kv_heads", "kv"), name="key")(kv_x)
       v = dense(cfg, (kvh, d), ("embed", "kv_heads", "kv"), name="value")(kv_x)
       if cross and decode:
-        self.put_variable("cache", "cross_key", k)
-        self.put_variable("cache", "cross_value", v)
+        self.put_variable("cache", "cross_key", _head_major(k))
+        self.put_variable("cache", "cross_value", _head_major(v))
     if cfg.position == "rope" and not cross:
       q, k = apply_rope(q, q_position, cfg), apply_rope(k, kv_position, cfg)
 
@@ -385,21 +385,32 @@ class Attention(nn.Module):
     """Writes k, v [batch, len, kv_heads, head_dim] at cache_index; returns the whole cache."""
     b, t = k.shape[:2]
     initialized = self.has_variable("cache", "cached_key")
-    ck = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
-    cv = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
+    ck = self.variable("cache", "cached_key", jnp.zeros, _head_major(k).shape, k.dtype)
+    cv = self.variable("cache", "cached_value", jnp.zeros, _head_major(v).shape, v.dtype)
     cseg = self.variable("cache", "cached_segment", jnp.zeros, segment.shape, jnp.int32)
     cpos = self.variable("cache", "cached_position", jnp.zeros, position.shape, jnp.int32)
     index = self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
     if not initialized:  # init call: the input's length fixes the cache size
       return k, v, segment, position, jnp.arange(t), jnp.arange(t)
     i = index.value
-    ck.value = jax.lax.dynamic_update_slice(ck.value, k.astype(ck.value.dtype), (0, i, 0, 0))
-    cv.value = jax.lax.dynamic_update_slice(cv.value, v.astype(cv.value.dtype), (0, i, 0, 0))
+    ck.value = jax.lax.dynamic_update_slice(ck.value, _head_major(k).astype(ck.value.dtype), (0, 0, i, 0))
+    cv.value = jax.lax.dynamic_update_slice(cv.value, _head_major(v).astype(cv.value.dtype), (0, 0, i, 0))
     cseg.value = jax.lax.dynamic_update_slice(cseg.value, segment.astype(jnp.int32), (0, i))
     cpos.value = jax.lax.dynamic_update_slice(cpos.value, position.astype(jnp.int32), (0, i))
     index.value = i + t
-    max_len = ck.value.shape[1]
-    return ck.value, cv.value, cseg.value, cpos.value, i + jnp.arange(t), jnp.arange(max_len)
+    max_len = ck.value.shape[2]
+    return (_from_head_major(ck.value), _from_head_major(cv.value), cseg.value, cpos.value, i + jnp.arange(t),
+            jnp.arange(max_len))
+
+
+# The KV cache is stored head-major, [batch, kv_heads, slots, head_dim]: the layout the attention
+# matmuls read, so the transposes around them cancel and a decode step does not copy the whole
+# cache into that layout per layer (a third of a beam-search step's time on CPU; BENCHMARKS.md).
+def _head_major(x):
+  return x.transpose(0, 2, 1, 3)
+
+
+_from_head_major = _head_major  # [batch, kv_heads, slots, head_dim] -> [batch, slots, kv_heads, head_dim]
 
 
 class FeedForward(nn.Module):

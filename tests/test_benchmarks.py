@@ -106,3 +106,18 @@ def test_decode_vs_hf_writes_the_weights_transformers_reads_and_counts_the_roofl
   assert seconds == pytest.approx((weights + kv) / 1e9)
   assert bench.compare([[1, 2, 3]], [[1, 2, 3]]) == "identical"
   assert bench.compare([[1, 2, 3]], [[1, 5, 3]]) == "differ from token 1"
+
+
+def test_decode_profile_sums_kernel_kinds_of_a_trace(tmp_path):
+  import gzip
+  import json
+  bench = _load("decode_profile")
+  (tmp_path / "plugins" / "profile").mkdir(parents=True)
+  events = [{"ph": "X", "name": "ynn_fusion.1", "dur": 1000}, {"ph": "X", "name": "ynn_fusion", "dur": 500},
+            {"ph": "X", "name": "gather_bitcast_fusion.12", "dur": 250},
+            {"ph": "X", "name": "ThunkExecutor::Execute", "dur": 9999}, {"ph": "X", "name": "$api.py:1 f", "dur": 7},
+            {"ph": "i", "name": "dot"}]
+  with gzip.open(tmp_path / "plugins" / "profile" / "host.perfetto_trace.json.gz", "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  assert bench.kernel_times(str(tmp_path)) == {"ynn_fusion": pytest.approx(0.0015),
+                                               "gather_bitcast_fusion": pytest.approx(0.00025)}

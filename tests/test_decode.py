@@ -121,7 +121,7 @@ def test_translation_steps_reuse_the_cached_source_keys_and_values():
   cache = decode.init_cache(model, rows, 4, width)
   _, cache = step(params, cache, encoded, segment, jnp.full((rows,), BOS), 0)
   keys = [x for path, x in jax.tree_util.tree_leaves_with_path(cache) if path[-1].key == "cross_key"]
-  assert len(keys) == cfg.num_layers and keys[0].shape == (rows, width, cfg.kv_heads, cfg.dim_per_head)
+  assert len(keys) == cfg.num_layers and keys[0].shape == (rows, cfg.kv_heads, width, cfg.dim_per_head)  # head-major
   token = jnp.asarray([7, 8, 9])
   cached, _ = step(params, cache, None, segment, token, 1)
   recomputed, _ = step(params, cache, encoded, segment, token, 1)

@@ -221,7 +221,7 @@ def test_decoder_only_kv_cache_matches_full_forward(name, overrides):
   ids = tokens(0, (ROWS, LENGTH), model.cfg.vocab_size)
   full = lm(model, params, [(row, None, None) for row in ids])[:, :LENGTH]
   cache = empty_cache(model, jnp.ones((ROWS, CACHE), jnp.int32))
-  assert cache["decoder"]["layer_0"]["self_attention"]["cached_key"].shape[:2] == (ROWS, CACHE)
+  assert cache["decoder"]["layer_0"]["self_attention"]["cached_key"].shape[::2] == (ROWS, CACHE)  # [batch, kv_heads, slots, head_dim]
   pos = np.broadcast_to(np.arange(LENGTH, dtype=np.int32), (ROWS, LENGTH))
   outs = []
   for lo, hi in STEPS:
