@@ -274,6 +274,16 @@ def test_a_model_without_an_exact_hf_equivalent_is_not_exported():
 
 
 @pytest.mark.slow
+def _fine_tuning_config(workdir, tmp_path, steps, *overrides):
+  """A tiny fine-tuning run of the converted `workdir` on a repeated sentence, learning rate 0 (params unchanged)."""
+  text = tmp_path / "text.txt"
+  text.write_text(" ".join(["A man in an orange hat starring at something."] * 40) + "\n")
+  return config_lib.load_config(os.path.join(workdir, "config.json"), [
+      f"train.init_from={workdir}", f"data.text_path={text}", "data.block_size=16", "data.batch_size=2",
+      f"train.num_steps={steps}", "train.log_every=1", f"train.eval_every={steps}", f"train.checkpoint_every={steps}",
+      "train.eval_batches=1", "train.sample_every_eval=false", "optim.learning_rate=0.0", *overrides])
+
+
 def test_converted_workdirs_generate_translate_and_fine_tune(converted, tmp_path, capsys):
   # generate: Llama 3's prompt gets its BOS (data.add_bos) and decodes as transformers did.
   workdir, cfg, _, _, tok = converted("llama3")
@@ -291,13 +301,8 @@ def test_converted_workdirs_generate_translate_and_fine_tune(converted, tmp_path
   assert hyp.read_text().splitlines() == [tok.decode(b[0]) for b in meta["beams"]["default"]["sequences"]]
   # train.init_from: the imported params and tokenizer, a fresh optimizer (learning rate 0: params unchanged).
   workdir, cfg, _, params, _ = converted("gpt2")
-  text = tmp_path / "text.txt"
-  text.write_text(" ".join(["A man in an orange hat starring at something."] * 40) + "\n")
   fine = str(tmp_path / "fine")
-  ft_cfg = config_lib.load_config(os.path.join(workdir, "config.json"), [
-      f"train.init_from={workdir}", f"data.text_path={text}", "data.block_size=16", "data.batch_size=2",
-      "train.num_steps=2", "train.log_every=1", "train.eval_every=2", "train.checkpoint_every=2",
-      "train.eval_batches=1", "train.sample_every_eval=false", "optim.learning_rate=0.0"])
+  ft_cfg = _fine_tuning_config(workdir, tmp_path, 2)
   result = train.train_and_evaluate(ft_cfg, fine, **QUIET)
   assert int(result["state"]["step"]) == 2 and os.path.isfile(os.path.join(fine, "tokenizer.json"))
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
@@ -382,13 +387,8 @@ def test_fine_tuning_with_scanned_layers_and_exporting_it(converted, tmp_path):
   """A converted (per-layer) checkpoint fine-tunes with model.scan_layers=true (train.init_from stacks
   its layers) and the scanned run exports back to HF's per-layer tensors unchanged (learning rate 0)."""
   workdir, cfg, _, params, _ = converted("llama")
-  text = tmp_path / "text.txt"
-  text.write_text(" ".join(["A man in an orange hat starring at something."] * 40) + "\n")
   fine = str(tmp_path / "fine")
-  ft_cfg = config_lib.load_config(os.path.join(workdir, "config.json"), [
-      f"train.init_from={workdir}", f"data.text_path={text}", "data.block_size=16", "data.batch_size=2",
-      "train.num_steps=1", "train.log_every=1", "train.eval_every=1", "train.checkpoint_every=1",
-      "train.eval_batches=1", "train.sample_every_eval=false", "optim.learning_rate=0.0", "model.scan_layers=true"])
+  ft_cfg = _fine_tuning_config(workdir, tmp_path, 1, "model.scan_layers=true")
   result = train.train_and_evaluate(ft_cfg, fine, **QUIET)
   assert "layers" in result["state"]["params"]["decoder"] and np.isfinite(result["loss"])
   out = tmp_path / "hf"
