@@ -79,7 +79,8 @@ def _cache_index(cache):
 
 def _cache_size(cache):
   path, key = _cache_entries(cache, "cached_key")[0]  # [(layers,) batch, kv_heads, slots, head_dim]
-  return key.shape[3 if _is_scanned(path) else 2]
+  batch_axis = 1 if _is_scanned(path) else 0
+  return key.shape[batch_axis + (2 if key.shape[batch_axis] > 1 else 1)]  # one row: [1, slots, kv_heads, ...]
 
 
 def _map_rows(fn, cache, skip=()):
@@ -392,7 +393,11 @@ def prefill(model, params, prompts, lengths=None, cache=None, max_len=None):
 def prefill_prefix(model, params, prefix_ids, batch, max_len):
   """Runs a prompt prefix shared by all rows once (batch 1) -> its cache of `max_len` slots for `batch` rows."""
   _, cache = prefill(model, params, [list(prefix_ids)], max_len=max_len)
-  return _map_rows(lambda x, axis: jnp.repeat(x, batch, axis), cache)
+  cache = _map_rows(lambda x, axis: jnp.repeat(x, batch, axis), cache)
+  if batch > 1:  # one row's keys and values are [.., slots, kv_heads, head_dim], more rows' head-major
+    cache = jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.swapaxes(x, -3, -2) if path[-1].key in ("cached_key", "cached_value") else x, cache)
+  return cache
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_new_tokens", "top_k", "greedy", "nucleus", "window"))

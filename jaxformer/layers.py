@@ -330,7 +330,7 @@ class Attention(nn.Module):
   """Multi-head self- or cross-attention with GQA/MQA and a static-size KV cache.
 
   In decode mode, self-attention keeps `cached_key`/`cached_value` [batch, kv_heads,
-  max_len, head_dim] plus the keys' segment ids and positions; each call writes its
+  max_len, head_dim] (one row: [1, max_len, kv_heads, head_dim]) plus the keys' segment ids and positions; each call writes its
   tokens at `cache_index` (prefill many positions, then one per step). The cache size
   is the length of the input the cache was initialised with. Cross-attention (cross=True)
   keeps the source's keys and values, `cross_key`/`cross_value` [batch, kv_heads, src_len,
@@ -393,12 +393,13 @@ class Attention(nn.Module):
     if not initialized:  # init call: the input's length fixes the cache size
       return k, v, segment, position, jnp.arange(t), jnp.arange(t)
     i = index.value
-    ck.value = jax.lax.dynamic_update_slice(ck.value, _head_major(k).astype(ck.value.dtype), (0, 0, i, 0))
-    cv.value = jax.lax.dynamic_update_slice(cv.value, _head_major(v).astype(cv.value.dtype), (0, 0, i, 0))
+    at = (0, 0, i, 0) if b > 1 else (0, i, 0, 0)
+    ck.value = jax.lax.dynamic_update_slice(ck.value, _head_major(k).astype(ck.value.dtype), at)
+    cv.value = jax.lax.dynamic_update_slice(cv.value, _head_major(v).astype(cv.value.dtype), at)
     cseg.value = jax.lax.dynamic_update_slice(cseg.value, segment.astype(jnp.int32), (0, i))
     cpos.value = jax.lax.dynamic_update_slice(cpos.value, position.astype(jnp.int32), (0, i))
     index.value = i + t
-    max_len = ck.value.shape[2]
+    max_len = ck.value.shape[2 if b > 1 else 1]
     return (_from_head_major(ck.value), _from_head_major(cv.value), cseg.value, cpos.value, i + jnp.arange(t),
             jnp.arange(max_len))
 
@@ -406,8 +407,11 @@ class Attention(nn.Module):
 # The KV cache is stored head-major, [batch, kv_heads, slots, head_dim]: the layout the attention
 # matmuls read, so the transposes around them cancel and a decode step does not copy the whole
 # cache into that layout per layer (a third of a beam-search step's time on CPU; BENCHMARKS.md).
+# A single row keeps [1, slots, kv_heads, head_dim]: there the matmul reads the head-major cache
+# through a bitcast that drops the batch axis, into which XLA duplicates the in-place update, and
+# that copies the whole cache per layer per step (GPT-2 at batch 1: 10% slower).
 def _head_major(x):
-  return x.transpose(0, 2, 1, 3)
+  return x.transpose(0, 2, 1, 3) if x.shape[0] > 1 else x
 
 
 _from_head_major = _head_major  # [batch, kv_heads, slots, head_dim] -> [batch, slots, kv_heads, head_dim]
