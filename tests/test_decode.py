@@ -223,6 +223,10 @@ def test_generate_greedy_matches_full_recompute_of_each_prompt_alone(name):
   padded = decode.generate(model, params, _pad(PROMPTS, 7), n, jax.random.key(0), temperature=0,
                            eos_id=eos, lengths=lengths)
   np.testing.assert_array_equal(padded, want)
+  # One row alone: its cache keeps the position-major layout (layers._head_major), same tokens.
+  for prompt, row in zip(PROMPTS, want):
+    alone = decode.generate(model, params, [prompt], n, jax.random.key(0), temperature=0, eos_id=eos)
+    np.testing.assert_array_equal(alone[0], row)
 
 
 def test_top_k_filter():
