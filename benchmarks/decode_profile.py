@@ -53,15 +53,11 @@ def main(argv=None):
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import jax
   import jax.numpy as jnp
-  from decode_vs_hf import build
+  from decode_vs_hf import build_marian
   from jaxformer import decode
   from jaxformer import runtime
   runtime.keep_freed_memory()
-  vocab = 37000
-  cfg, model, params = build("wmt_base", [
-      "model.sinusoidal_layout=marian", "model.norm_eps=1e-5", "model.logits_bias=true", "model.dropout_rate=0",
-      f"model.pad_id={vocab - 1}", f"model.bos_id={vocab - 1}", "model.eos_id=0", "model.max_len=512"],
-      final_norm=False)
+  cfg, model, params = build_marian()
   params = jax.device_put(params)
   rng = np.random.default_rng(0)
   inputs = jnp.asarray(np.concatenate([rng.integers(1, 8000, (args.batch, args.src_len - 1)),

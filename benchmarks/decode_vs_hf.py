@@ -169,6 +169,14 @@ def build(name, overrides, seed=0, final_norm=True):
   return cfg, model, params
 
 
+def build_marian(vocab=37000):
+  """`wmt_base` shapes in Marian's layout (pad = decoder start = vocab - 1, EOS 0), random weights -> as `build`."""
+  return build("wmt_base", [
+      "model.sinusoidal_layout=marian", "model.norm_eps=1e-5", "model.logits_bias=true", "model.dropout_rate=0",
+      f"model.pad_id={vocab - 1}", f"model.bos_id={vocab - 1}", "model.eos_id=0", "model.max_len=512"],
+      final_norm=False)
+
+
 def write_hf(cfg, params, kind, out):
   """Our params as a Hugging Face folder (config.json + model.safetensors), through convert's tables."""
   from safetensors.numpy import save_file
@@ -379,11 +387,7 @@ def translation_section(args, peer, tmp):
   if not os.path.isfile(src_file):
     print(f"\ntranslation: {src_file} not found (set JAXFORMER_DATA); skipped")
     return None
-  vocab = 37000
-  cfg, model, params = build("wmt_base", [
-      "model.sinusoidal_layout=marian", "model.norm_eps=1e-5", "model.logits_bias=true", "model.dropout_rate=0",
-      f"model.pad_id={vocab - 1}", f"model.bos_id={vocab - 1}", "model.eos_id=0", "model.max_len=512"],
-      final_norm=False)
+  cfg, model, params = build_marian()
   hf_dir = write_hf(cfg, params, "marian", os.path.join(tmp, "marian"))
   params = jax.device_put(params)
   spm = tokenizer_lib.train_sentencepiece([_paths.data("multi30k/train.en"), _paths.data("multi30k/train.de")],

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxformer import layers
 from jaxformer.errors import UserError
 from jaxformer.model import EncoderDecoder
 
@@ -80,7 +81,7 @@ def _cache_index(cache):
 def _cache_size(cache):
   path, key = _cache_entries(cache, "cached_key")[0]  # [(layers,) batch, kv_heads, slots, head_dim]
   batch_axis = 1 if _is_scanned(path) else 0
-  return key.shape[batch_axis + (2 if key.shape[batch_axis] > 1 else 1)]  # one row: [1, slots, kv_heads, ...]
+  return key.shape[batch_axis + layers.kv_slots_axis(key.shape[batch_axis])]
 
 
 def _map_rows(fn, cache, skip=()):
@@ -394,7 +395,7 @@ def prefill_prefix(model, params, prefix_ids, batch, max_len):
   """Runs a prompt prefix shared by all rows once (batch 1) -> its cache of `max_len` slots for `batch` rows."""
   _, cache = prefill(model, params, [list(prefix_ids)], max_len=max_len)
   cache = _map_rows(lambda x, axis: jnp.repeat(x, batch, axis), cache)
-  if batch > 1:  # one row's keys and values are [.., slots, kv_heads, head_dim], more rows' head-major
+  if layers.kv_slots_axis(batch) != layers.kv_slots_axis(1):  # the rows' layout differs from one row's
     cache = jax.tree_util.tree_map_with_path(
         lambda path, x: jnp.swapaxes(x, -3, -2) if path[-1].key in ("cached_key", "cached_value") else x, cache)
   return cache

@@ -393,13 +393,13 @@ class Attention(nn.Module):
     if not initialized:  # init call: the input's length fixes the cache size
       return k, v, segment, position, jnp.arange(t), jnp.arange(t)
     i = index.value
-    at = (0, 0, i, 0) if b > 1 else (0, i, 0, 0)
+    at = tuple(i if axis == kv_slots_axis(b) else 0 for axis in range(4))
     ck.value = jax.lax.dynamic_update_slice(ck.value, _head_major(k).astype(ck.value.dtype), at)
     cv.value = jax.lax.dynamic_update_slice(cv.value, _head_major(v).astype(cv.value.dtype), at)
     cseg.value = jax.lax.dynamic_update_slice(cseg.value, segment.astype(jnp.int32), (0, i))
     cpos.value = jax.lax.dynamic_update_slice(cpos.value, position.astype(jnp.int32), (0, i))
     index.value = i + t
-    max_len = ck.value.shape[2 if b > 1 else 1]
+    max_len = ck.value.shape[kv_slots_axis(b)]
     return (_from_head_major(ck.value), _from_head_major(cv.value), cseg.value, cpos.value, i + jnp.arange(t),
             jnp.arange(max_len))
 
@@ -410,8 +410,13 @@ class Attention(nn.Module):
 # A single row keeps [1, slots, kv_heads, head_dim]: there the matmul reads the head-major cache
 # through a bitcast that drops the batch axis, into which XLA duplicates the in-place update, and
 # that copies the whole cache per layer per step (GPT-2 at batch 1: 10% slower).
+def kv_slots_axis(rows):
+  """The slots axis of a cache of `rows` rows: 2 head-major, 1 for a single row (the one layout rule)."""
+  return 2 if rows > 1 else 1
+
+
 def _head_major(x):
-  return x.transpose(0, 2, 1, 3) if x.shape[0] > 1 else x
+  return x.transpose(0, 2, 1, 3) if kv_slots_axis(x.shape[0]) == 2 else x
 
 
 _from_head_major = _head_major  # [batch, kv_heads, slots, head_dim] -> [batch, slots, kv_heads, head_dim]
