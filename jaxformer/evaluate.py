@@ -9,6 +9,7 @@ import argparse
 import hashlib
 import json
 import os
+import sys
 import time
 
 import flax.linen as nn
@@ -105,8 +106,8 @@ def load_run(workdir, average_last=0, step=None, log=print, overrides=(), scan_l
   path = os.path.join(workdir, "config.json")
   if not os.path.exists(path):
     raise UserError(f"{workdir} has no config.json: is it a training workdir (train.py --workdir)?")
-  with open(path) as f:
-    cfg = config_lib.from_dict(json.load(f))
+  # Unknown keys (a run saved by another version) are skipped with a warning, never silently.
+  cfg = config_lib.load_saved_config(path, warn=lambda msg: print(msg, file=sys.stderr))
   for override in overrides:
     if override.split("=", 1)[0].strip().split(".")[0] not in EVAL_OVERRIDE_SECTIONS:
       raise UserError(f"override {override!r}: evaluation takes decode.* and data.* overrides only "

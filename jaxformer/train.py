@@ -410,7 +410,7 @@ def copy_init_tokenizer(cfg, workdir, log=print):
     return
   source = cfg.train.init_from
   saved = os.path.join(source, "config.json")  # where that run keeps its tokenizer (its data.data_dir, maybe)
-  source_cfg = (config_lib.load_config(saved) if os.path.isfile(saved)
+  source_cfg = (config_lib.load_saved_config(saved, warn=log) if os.path.isfile(saved)
                 else config_lib.replace(cfg, **{"data.data_dir": ""}))
   mine, theirs = tasks.tokenizer_path(cfg, workdir), tasks.tokenizer_path(source_cfg, source)
   if mine == "byte" or os.path.exists(mine) or not os.path.isfile(theirs):
