@@ -120,11 +120,13 @@ def load_run(workdir, average_last=0, step=None, log=print, overrides=(), scan_l
   # read is verified against its checksums; a damaged one is a one-line error.
   ckpt = checkpoint_lib.Checkpointer(workdir, max_to_keep=None, async_save=False, log=log)
   try:
-    steps = (ckpt.all_steps()[-average_last:] or [None]) if average_last > 1 else [step]
+    # --average-last K --step S: the K checkpoints ending at S
+    steps = (checkpoint_lib.averaged_steps(ckpt.all_steps(), average_last, step, ckpt.directory)
+             if average_last > 1 else [step])
     stored_scan = stored_scan_layers(ckpt, steps[-1])
     _, shapes = abstract_params(config_lib.replace(cfg, **{"model.scan_layers": stored_scan}))
     if average_last > 1:
-      params = checkpoint_lib.average_checkpoints(workdir, average_last, {"params": shapes}, log=log)
+      params = checkpoint_lib.average_checkpoints(workdir, average_last, {"params": shapes}, log=log, until=step)
       _, meta = ckpt.restore_params(shapes, step=steps[-1])
       log(f"averaged the last {average_last} checkpoints: steps {steps}")
     else:
@@ -138,7 +140,8 @@ def load_run(workdir, average_last=0, step=None, log=print, overrides=(), scan_l
   model = model_lib.build_model(cfg.model)
   tok_path = tasks.tokenizer_path(cfg, workdir)
   if tok_path != "byte" and not os.path.exists(tok_path):
-    raise UserError(f"tokenizer {tok_path} is missing: eval needs the tokenizer the model was trained with")
+    raise UserError(f"tokenizer {tok_path} is missing: eval and generate need the tokenizer the model was trained "
+                    "with (a model converted without one: copy it there, or convert again with --tokenizer PATH)")
   if meta.get("tokenizer_sha256") not in (None, file_sha256(tok_path)):
     raise UserError(f"tokenizer {tok_path} is not the one checkpoint step {meta.get('step')} was trained "
                     "with (its hash differs): restore the original tokenizer file")
@@ -220,7 +223,8 @@ def parse_args(argv):
   parser = argparse.ArgumentParser(description="Evaluate a jaxformer run or score a system output.")
   parser.add_argument("--workdir", help="training workdir (config.json, tokenizer, checkpoints)")
   parser.add_argument("--split", default="test", help="dev or test (translation)")
-  parser.add_argument("--average-last", type=int, default=0, help="average the last K checkpoints")
+  parser.add_argument("--average-last", type=int, default=0,
+                      help="average the last K checkpoints (with --step S: the K ending at step S)")
   parser.add_argument("--save-average", help="save the averaged params as a checkpoint in this directory")
   parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
   parser.add_argument("--beam", type=int, default=None, help="beam size (1 = greedy)")

@@ -106,6 +106,14 @@ def test_average_last_is_the_mean_of_the_checkpoints(tiny_run, capsys):
     np.testing.assert_allclose(np.asarray(a), (np.asarray(x, np.float64) + np.asarray(y)) / 2, rtol=1e-6, atol=1e-7)
   assert any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(p4), jax.tree.leaves(p8)))
   assert_user_error(capsys, r"cannot average the last 3 checkpoints", "--workdir", workdir, "--average-last", "3")
+  # --average-last K --step S: the K checkpoints ending at S (the issue: S was ignored)
+  _, _, same, _, meta = evaluate.load_run(workdir, average_last=2, step=8, log=lambda *a: None)
+  assert meta["step"] == 8
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(same), jax.device_get(averaged))
+  assert_user_error(capsys, r"cannot average the last 2 checkpoints ending at step 4: .* has 1 \(\[4\]\)",
+                    "--workdir", workdir, "--average-last", "2", "--step", "4")
+  assert_user_error(capsys, r"ending at step 6: .* has no step 6", "--workdir", workdir, "--average-last", "2",
+                    "--step", "6")
 
 
 def test_missing_run_errors(tiny_run, tmp_path, capsys):
