@@ -332,6 +332,31 @@ def test_resume_continues_exactly(tiny_run, tmp_path):
              for s in (1, 2))
 
 
+def test_eval_batches_0_is_the_whole_validation_stream_for_lm(tmp_path):
+  """train.eval_batches=0 is documented as the whole dev set; language models used 20 random batches."""
+  (tmp_path / "text.txt").write_text("".join(f"line {i} of the corpus, a little text.\n" for i in range(800)))
+  cfg = load_config("gpt2_tiny", [f"data.text_path={tmp_path / 'text.txt'}", "train.eval_batches=0"])
+  task = tasks.LMTask(cfg, str(tmp_path / "run"), log=lambda *a: None)
+  n, block, rows = len(task.val_stream), cfg.data.block_size, cfg.data.batch_size
+  stream = task.val_stream.take(np.array([0]), n)[0]
+  batches = task.eval_batches("dev", cfg.train.eval_batches)
+  windows = -(-(n - 1) // block)
+  assert (n - 1) % block and windows % rows and len(batches) == -(-windows // rows) > 20  # partial last ones
+  weights = np.concatenate([b["weights"] for b in batches])
+  targets = np.concatenate([b["targets"] for b in batches])
+  np.testing.assert_array_equal(targets[weights == 1], stream[1:])  # each target exactly once, in order
+  for b in batches:
+    np.testing.assert_array_equal(b["inputs"][:, 1:], b["targets"][:, :-1])
+  # The loop's evaluate counts each token once: uniform logits (zero params) give ln(vocab) over n - 1 tokens.
+  model = model_lib.build_model(cfg.model)
+  shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
+  zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), nn.unbox(shapes))
+  val = train.evaluate(jax.jit(train.make_eval_step(model, task)), zeros, batches)
+  assert val["val_tokens"] == n - 1
+  assert val["val_nll"] == pytest.approx(math.log(cfg.model.vocab_size), rel=1e-5)
+  assert len(task.eval_batches("dev", 3)) == 3  # a count still means that many random batches
+
+
 @pytest.mark.slow
 def test_bleu_during_training_honours_decode_settings(tiny_run, tmp_path, monkeypatch):
   """train.eval_bleu_sentences decodes with decode.max_extra_len (it used translate's default, 50)."""
