@@ -107,13 +107,23 @@ def load_run(workdir, average_last=0, step=None, log=print, overrides=(), scan_l
   if not os.path.exists(path):
     raise UserError(f"{workdir} has no config.json: is it a training workdir (train.py --workdir)?")
   # Unknown keys (a run saved by another version) are skipped with a warning, never silently.
-  cfg = config_lib.load_saved_config(path, warn=lambda msg: print(msg, file=sys.stderr))
+  cfg = saved = config_lib.load_saved_config(path, warn=lambda msg: print(msg, file=sys.stderr))
   for override in overrides:
     if override.split("=", 1)[0].strip().split(".")[0] not in EVAL_OVERRIDE_SECTIONS:
       raise UserError(f"override {override!r}: evaluation takes decode.* and data.* overrides only "
                       f"(the model comes from {path})")
     cfg = config_lib.apply_override(cfg, override)
-  config_lib._validate(cfg)  # an override like decode.length_penalty=typo is an error, not a silent default
+  try:
+    config_lib._validate(cfg)  # an override like decode.length_penalty=typo is an error, not a silent default
+  except UserError as e:
+    try:
+      config_lib._validate(saved)
+    except UserError as saved_error:  # the run's own setting (older versions accepted it): warn, evaluate
+      if str(saved_error) != str(e):
+        raise e from None
+      print(f"warning: {path}: {e} (a setting of the run itself; evaluating anyway)", file=sys.stderr)
+    else:
+      raise
   if scan_layers is not None:
     cfg = config_lib.replace(cfg, **{"model.scan_layers": bool(scan_layers)})
   # Read-only (no lease, no cleanup): works while training writes the workdir. Every checkpoint

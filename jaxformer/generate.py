@@ -88,7 +88,9 @@ def main(argv):
   flags = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
            "top_p": args.top_p}
   cfg = config_lib.replace(cfg, **{f"decode.{k}": v for k, v in flags.items() if v is not None})
-  config_lib._validate(cfg)  # a flag's value gets the range check of its decode.* field
+  # A flag's value gets the range check of its decode.* field (the run's other sections were checked
+  # by load_run, which lets a setting of an older run through with a warning).
+  config_lib._validate(config_lib.Config(decode=cfg.decode))
   outputs = generate_text(model, params, tokenizer, cfg, prompts, seed=args.seed, prefix=args.prefix)
   for prompt, out in zip(prompts, outputs):
     print(f"--- {args.prefix}{prompt!r}\n{args.prefix}{prompt}{out}")
