@@ -17,5 +17,6 @@ def get_config():
       optim=OptimConfig(optimizer="adamw", schedule="cosine", learning_rate=3e-4, min_learning_rate=3e-5,
                         warmup_steps=2000, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=1.0,
                         label_smoothing=0.0),
-      train=TrainConfig(num_steps=250000, eval_every=2000, checkpoint_every=1000, keep_checkpoints=3),
+      train=TrainConfig(num_steps=250000, eval_every=2000, checkpoint_every=1000, keep_checkpoints=3,
+                        eval_batches=20),  # an estimate every 2000 steps; 0 = all of val
   )

@@ -524,21 +524,32 @@ class Checkpointer:
     self._mgr.close()
 
 
-def average_checkpoints(workdir, last_k, abstract_state, log=None):
-  """The mean of the `params` of the last `last_k` checkpoints in `workdir`, each verified.
+def averaged_steps(steps, last_k, until=None, directory="the workdir"):
+  """The `last_k` steps of `steps` (sorted) that end at step `until` (default: the newest)."""
+  if until is not None:
+    if until not in steps:
+      raise UserError(f"cannot average the {last_k} checkpoints ending at step {until}: {directory} has no "
+                      f"step {until} (it has {steps})")
+    steps = [s for s in steps if s <= until]
+  if last_k < 1 or len(steps) < last_k:
+    ending = f" ending at step {until}" if until is not None else ""
+    raise UserError(f"cannot average the last {last_k} checkpoints{ending}: {directory} has {len(steps)} "
+                    f"({steps})")
+  return steps[-last_k:]
+
+
+def average_checkpoints(workdir, last_k, abstract_state, log=None, until=None):
+  """The mean of the `params` of the last `last_k` checkpoints in `workdir` (those ending at step
+  `until`, default the newest), each verified.
 
   Accumulates in float32 and returns the parameters' own dtypes, on the
   shardings of `abstract_state` (a full train state or just its params).
   """
   abstract_params = _params_of(abstract_state)
   with Checkpointer(workdir, max_to_keep=None, async_save=False, log=log) as ckpt:
-    steps = ckpt.all_steps()
-    if last_k < 1 or len(steps) < last_k:
-      raise UserError(
-          f"cannot average the last {last_k} checkpoints: "
-          f"{ckpt.directory} has {len(steps)} ({steps})")
+    steps = averaged_steps(ckpt.all_steps(), last_k, until, ckpt.directory)
     total = None
-    for step in steps[-last_k:]:
+    for step in steps:
       params, _ = ckpt.restore_params(abstract_params, step=step)
       params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
       total = params if total is None else jax.tree.map(jnp.add, total, params)

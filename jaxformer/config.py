@@ -280,9 +280,13 @@ def load_config(name_or_path, overrides=()):
   path = pathlib.Path(name_or_path)
   if path.suffix in (".py", ".json") and not path.exists():
     raise UserError(f"config file {name_or_path} not found")
-  if path.suffix == ".json":  # a workdir's saved config, e.g. one written by jaxformer.convert
+  if path.suffix == ".json":  # a workdir's saved config given by the user, e.g. one written by jaxformer.convert
     with open(path) as f:
-      cfg = from_dict(json.load(f))
+      try:
+        d = json.load(f)
+      except json.JSONDecodeError as e:
+        raise UserError(f"config file {name_or_path} is not valid JSON ({e})") from e
+    cfg = from_dict(d, where=str(name_or_path))  # strict: an unknown key is an error, as in a recipe
   else:
     if path.suffix == ".py":
       spec = importlib.util.spec_from_file_location(f"jaxformer_config_{path.stem}", path)
@@ -301,7 +305,9 @@ def load_config(name_or_path, overrides=()):
 
 
 def _validate(cfg):
-  """Catches combinations that would otherwise fail deep inside jit."""
+  """Catches bad values and combinations that would otherwise fail deep inside jit (or train on NaN)."""
+  _validate_types(cfg)  # first: the checks below compare numbers
+  _validate_ranges(cfg)
   m = cfg.model
   choices = {"arch": ("encoder_decoder", "decoder_only"),
              "activation": ("relu", "gelu", "gelu_exact", "silu", "swiglu"),
@@ -347,6 +353,121 @@ def _validate(cfg):
     raise UserError(f"train.max_skipped_steps={cfg.train.max_skipped_steps} must be 0 (never stop) or more")
   if cfg.train.lease_timeout_s <= 0:
     raise UserError(f"train.lease_timeout_s={cfg.train.lease_timeout_s:g} must be positive (seconds)")
+  if m.position == "learned":  # jnp.take past the table is NaN: every step would be non-finite
+    length, name = ((cfg.data.block_size, "data.block_size") if cfg.data.task == "lm"
+                    else (cfg.data.max_len, "data.max_len"))
+    if length > m.max_len:
+      raise UserError(f"{name}={length} is longer than the learned-position table (model.max_len={m.max_len}): "
+                      f"set {name} <= {m.max_len} or model.max_len >= {length}")
+  o = cfg.optim
+  if o.optimizer not in ("adam", "adamw"):
+    raise UserError(f"optim.optimizer={o.optimizer!r}: choose adam or adamw")
+  if o.optimizer == "adam" and o.weight_decay:
+    raise UserError(f"optim.weight_decay={o.weight_decay:g} needs optim.optimizer=adamw (Adam has no decoupled "
+                    "weight decay): set optim.optimizer=adamw or optim.weight_decay=0")
+
+
+def _validate_types(cfg):
+  """Every field holds its annotated type (a recipe or a JSON config can hold anything);
+  an int stands for a float, a bool never for an int."""
+  for section in dataclasses.fields(Config):
+    node = getattr(cfg, section.name)
+    if not dataclasses.is_dataclass(node):
+      if not isinstance(node, str):
+        raise UserError(f"config {section.name}={node!r}: expected str")
+      continue
+    for name, annotation in typing.get_type_hints(type(node)).items():
+      value = getattr(node, name)
+      if not _has_type(value, annotation):
+        raise UserError(f"{section.name}.{name}={value!r} ({type(value).__name__}): expected {_type_name(annotation)}")
+
+
+def _has_type(value, annotation):
+  options = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+  for typ in options:
+    if typ is type(None) and value is None:
+      return True
+    if typ is bool and isinstance(value, bool):
+      return True
+    if typ is int and isinstance(value, int) and not isinstance(value, bool):
+      return True
+    if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+      return True
+    if typ is str and isinstance(value, str):
+      return True
+  return False
+
+
+def _type_name(annotation):
+  options = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+  return " or ".join("None" if t is type(None) else t.__name__ for t in options)
+
+
+# The valid range of every numeric field, per section: (field, lowest, highest, what to say), bounds
+# inclusive (None: unbounded). Written so a NaN fails too (`not lo <= x`). A field of `X | None` is
+# checked when set. Choices (str fields) and cross-field rules are checked in `_validate`.
+_POSITIVE, _COUNT = "must be at least 1", "must be 0 or more"
+_TINY, _BELOW_1 = 5e-324, 1.0 - 2.0 ** -53   # the smallest float above 0 and the largest below 1
+_RANGES = {
+    "model": [("vocab_size", 1, None, _POSITIVE), ("d_model", 1, None, _POSITIVE),
+              ("num_heads", 1, None, _POSITIVE), ("num_kv_heads", 1, None, "must be at least 1 (or None: num_heads)"),
+              ("head_dim", 1, None, "must be at least 1 (or None: d_model // num_heads)"),
+              ("num_layers", 1, None, _POSITIVE), ("num_encoder_layers", 1, None, "must be at least 1 (or None)"),
+              ("d_ff", 1, None, _POSITIVE), ("norm_eps", _TINY, None, "must be positive"),
+              ("max_len", 1, None, _POSITIVE), ("rope_theta", _TINY, None, "must be positive"),
+              ("rope_scaling_factor", _TINY, None, "must be positive"), ("rope_original_max_len", 1, None, _POSITIVE),
+              ("rope_low_freq_factor", _TINY, None, "must be positive"),
+              ("rope_high_freq_factor", _TINY, None, "must be positive"),
+              ("rope_beta_fast", _TINY, None, "must be positive"), ("rope_beta_slow", _TINY, None, "must be positive"),
+              ("rope_attention_factor", _TINY, None, "must be positive (or None: the yarn default)"),
+              ("rope_mscale", 0.0, None, _COUNT), ("rope_mscale_all_dim", 0.0, None, _COUNT),
+              ("init_std", 0.0, None, _COUNT), ("dropout_rate", 0.0, _BELOW_1, "must be in [0, 1)"),
+              ("attention_dropout_rate", 0.0, _BELOW_1, "must be in [0, 1)")],
+    "data": [("tokenizer_sample_docs", 1, None, _POSITIVE), ("shard_tokens", 1, None, _POSITIVE),
+             ("max_len", 2, None, "must be at least 2 (a token and EOS)"),
+             ("tokens_per_batch", 1, None, _POSITIVE), ("batch_multiple", 1, None, _POSITIVE),
+             ("batch_size", 1, None, _POSITIVE), ("block_size", 1, None, _POSITIVE),
+             ("synthetic_size", 1, None, _POSITIVE)],
+    "optim": [("learning_rate", 0.0, None, _COUNT), ("min_learning_rate", 0.0, None, _COUNT),
+              ("warmup_steps", 0, None, _COUNT), ("b1", 0.0, _BELOW_1, "must be in [0, 1)"),
+              ("b2", 0.0, _BELOW_1, "must be in [0, 1)"),
+              ("eps", _TINY, None, "must be positive (Adam divides by sqrt(v) + eps)"),
+              ("weight_decay", 0.0, None, _COUNT), ("grad_clip", 0.0, None, "must be 0 (off) or more"),
+              ("grad_accum_steps", 1, None, _POSITIVE), ("label_smoothing", 0.0, _BELOW_1, "must be in [0, 1)")],
+    "train": [("num_steps", 1, None, _POSITIVE), ("log_every", 1, None, "must be at least 1 (steps)"),
+              ("eval_every", 1, None, "must be at least 1 (steps)"),
+              ("eval_batches", 0, None, "must be 0 (the whole dev set) or more"),
+              ("checkpoint_every", 1, None, "must be at least 1 (steps)"), ("keep_checkpoints", 1, None, _POSITIVE),
+              ("seed", 0, None, _COUNT), ("steps_per_call", 1, None, _POSITIVE),
+              ("max_minutes", 0.0, None, "must be 0 (no limit) or more"), ("eval_bleu_sentences", 0, None, _COUNT)],
+    "decode": [("beam_size", 1, None, _POSITIVE), ("alpha", 0.0, None, _COUNT), ("max_extra_len", 0, None, _COUNT),
+               ("batch_size", 1, None, _POSITIVE), ("temperature", 0.0, None, "must be 0 (greedy) or more"),
+               ("top_k", 0, None, "must be 0 (off) or more"), ("top_p", _TINY, 1.0, "must be in (0, 1]"),
+               ("max_new_tokens", 1, None, _POSITIVE), ("max_cache_len", 1, None, _POSITIVE)],
+}
+
+
+def _validate_ranges(cfg):
+  """Counts, intervals, sizes and rates in their valid ranges (`_RANGES`), and the mesh axes."""
+  for section, rules in _RANGES.items():
+    node = getattr(cfg, section)
+    for name, lo, hi, what in rules:
+      value = getattr(node, name)
+      if value is None:
+        continue
+      if not ((lo is None or lo <= value) and (hi is None or value <= hi)):
+        raise UserError(f"{section}.{name}={value!r} {what}")
+  for name in ("data", "fsdp", "tensor"):
+    value = getattr(cfg.mesh, name)
+    if value != -1 and value < 1:
+      raise UserError(f"mesh.{name}={value} must be at least 1, or -1 (the devices the other axes leave)")
+  if cfg.optim.schedule == "rsqrt" and cfg.optim.warmup_steps < 1:
+    raise UserError(f"optim.warmup_steps={cfg.optim.warmup_steps} must be at least 1 with optim.schedule=rsqrt "
+                    "(it scales by warmup_steps^-1.5)")
+  m = cfg.model
+  if m.rope_scaling == "llama3" and not m.rope_high_freq_factor > m.rope_low_freq_factor:
+    raise UserError(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must be larger than "
+                    f"model.rope_low_freq_factor={m.rope_low_freq_factor} (llama3 divides by their difference)")
 
 
 def to_dict(cfg):
@@ -358,15 +479,60 @@ def to_json(cfg):
   return json.dumps(to_dict(cfg), indent=2)
 
 
-def from_dict(d):
-  """Inverse of `to_dict` (used to reload the config saved in a workdir)."""
-  sections = {f.name: f.type for f in dataclasses.fields(Config)}
+# Fields a past version saved in config.json and this one no longer has ("section.field" -> why):
+# skipped with a warning when a saved config is read. Removing a field from a dataclass above
+# means adding it here, so runs saved before still evaluate. (None removed so far.)
+REMOVED_FIELDS = {}
+
+
+def from_dict(d, where="config", strict=True, warn=print):
+  """Inverse of `to_dict`: a `Config` from nested dicts (a run's saved config.json).
+
+  Every value is checked as a recipe's is (types in `_validate`); an int stands for a float.
+  A field in `REMOVED_FIELDS` is skipped with a warning. Any other unknown section or field is
+  a `UserError` naming the closest valid key (`strict`, for a config the user gives), or, for the
+  config.json a workdir holds (read by eval, generate, train.init_from), skipped with a warning:
+  a run saved by another version of jaxformer still evaluates, and says what it ignored.
+  """
+  if not isinstance(d, dict):
+    raise UserError(f"{where}: expected a JSON object of config sections, got {type(d).__name__}")
+  hints = typing.get_type_hints(Config)
   kwargs = {}
   for key, value in d.items():
-    if isinstance(value, dict) and key in sections:  # a removed section is skipped, like a removed field
-      cls = typing.get_type_hints(Config)[key]
-      known = {f.name for f in dataclasses.fields(cls)}
-      kwargs[key] = cls(**{k: v for k, v in value.items() if k in known})
-    elif key in sections:
+    if key not in hints:
+      _unknown(key, list(hints), where, strict, warn)
+    elif not dataclasses.is_dataclass(hints[key]):
       kwargs[key] = value
+    elif not isinstance(value, dict):
+      raise UserError(f"{where}: {key} must be a section (a JSON object of fields), got {value!r}")
+    else:
+      cls, fields = hints[key], typing.get_type_hints(hints[key])
+      known = {}
+      for name, v in value.items():
+        if name not in fields:
+          _unknown(f"{key}.{name}", [f"{key}.{f}" for f in fields], where, strict, warn)
+          continue
+        if fields[name] is float and isinstance(v, int) and not isinstance(v, bool):
+          v = float(v)  # JSON written by hand: 1 for 1.0
+        known[name] = v
+      kwargs[key] = cls(**known)
   return Config(**kwargs)
+
+
+def _unknown(key, valid, where, strict, warn):
+  if key in REMOVED_FIELDS:
+    warn(f"warning: {where}: skipping {key}, removed from jaxformer ({REMOVED_FIELDS[key]})")
+  elif strict:
+    raise UserError(f"{where}: unknown config key {key!r}{closest(key, valid)}")
+  else:
+    warn(f"warning: {where}: skipping unknown config key {key!r} (saved by another version of jaxformer?)")
+
+
+def load_saved_config(path, warn=print):
+  """The config a workdir saved (`WORKDIR/config.json`), read leniently (see `from_dict`), not validated."""
+  with open(path) as f:
+    try:
+      d = json.load(f)
+    except json.JSONDecodeError as e:
+      raise UserError(f"{path} is not valid JSON ({e}): is it a jaxformer config.json?") from e
+  return from_dict(d, where=str(path), strict=False, warn=warn)

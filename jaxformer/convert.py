@@ -368,13 +368,41 @@ def hf_model_type(hf, where):
   return kind
 
 
-def config_from_hf(hf_dir):
-  """(Config, model_type, generation config dict) for an HF folder."""
+# The token ids a model needs, the config.json key each comes from, and the flag that sets it.
+_IDS = (("eos_id", "eos_token_id", "--eos-id"), ("bos_id", "bos_token_id", "--bos-id"),
+        ("pad_id", "pad_token_id", "--pad-id"))
+
+
+def _resolve_ids(model, kind, ids, where):
+  """Fills `model`'s pad/bos/eos ids from `ids` (the --*-id flags, which win) and refuses a null one.
+
+  transformers writes `"bos_token_id": null` (and eos) for a model built from a bare config object,
+  and several published models have null ids: jaxformer needs each id (masks, decoding, data).
+  """
+  model.update({k: v for k, v in (ids or {}).items() if v is not None})
+  if kind != "marian" and model.get("pad_id") is None:  # GPT-2 / Llama pad with EOS (as before)
+    model["pad_id"] = model["eos_id"]
+  if kind == "gpt2" and model.get("bos_id") is None:  # GPT-2's BOS is its EOS (<|endoftext|>)
+    model["bos_id"] = model["eos_id"]
+  for field, key, flag in _IDS:
+    if model.get(field) is None:
+      key = "decoder_start_token_id" if (kind, field) == ("marian", "bos_id") else key
+      raise UserError(f"{where} has {key} null (or absent): give the id with {flag} N (the tokenizer's "
+                      f"{field[:3]} token id) and convert again")
+
+
+def config_from_hf(hf_dir, ids=None, tokenizer_source=None):
+  """(Config, model_type, generation config dict) for an HF folder.
+
+  `ids`: {"bos_id"|"eos_id"|"pad_id": int} set where config.json has none (or overrides it);
+  `tokenizer_source`: where the tokenizer comes from (default: `hf_dir`), which decides Llama's kind.
+  """
   hf = _read_json(os.path.join(hf_dir, "config.json"), "is it a Hugging Face model folder?")
   kind = hf_model_type(hf, os.path.join(hf_dir, "config.json"))
   gen_path = os.path.join(hf_dir, "generation_config.json")
   gen = _read_json(gen_path, "") if os.path.isfile(gen_path) else {}
   model, data, decode = CONFIGS[kind](hf, gen)
+  _resolve_ids(model, kind, ids, os.path.join(hf_dir, "config.json"))
   if kind == "marian":  # the translation recipe's defaults suit fine-tuning
     optim = dict(optimizer="adamw", schedule="constant", learning_rate=3e-5, warmup_steps=0, b2=0.999, eps=1e-8,
                  grad_clip=1.0, label_smoothing=0.1)
@@ -383,7 +411,9 @@ def config_from_hf(hf_dir):
                  grad_clip=1.0, label_smoothing=0.0)
   tokenizer = {"gpt2": "hf", "marian": "marian"}.get(kind)
   if kind == "llama":
-    tokenizer = "sentencepiece" if os.path.isfile(os.path.join(hf_dir, "tokenizer.model")) else "hf"
+    source = tokenizer_source or hf_dir
+    spm = source.endswith(".model") if os.path.isfile(source) else os.path.isfile(os.path.join(source, "tokenizer.model"))
+    tokenizer = "sentencepiece" if spm else "hf"
   cfg = config_lib.Config(
       name=f"hf_{kind}_{os.path.basename(os.path.normpath(hf_dir))}",
       model=config_lib.ModelConfig(**model),
@@ -455,23 +485,46 @@ def _has(tree, path):
     return False
 
 
-def import_tokenizer(hf_dir, cfg, kind, workdir):
-  """Copies (or packs, for Marian) the tokenizer into the workdir; returns its path there."""
+MARIAN_TOKENIZER_FILES = ("source.spm", "target.spm", "vocab.json")
+
+
+def tokenizer_file(source, cfg):
+  """The tokenizer file (or Marian's folder) `source` (a folder, or a file) gives for `cfg`, or None."""
+  if cfg.data.tokenizer == "marian":
+    if os.path.isfile(source):
+      raise UserError(f"--tokenizer {source}: a Marian tokenizer is a folder ({', '.join(MARIAN_TOKENIZER_FILES)})")
+    return source if all(os.path.isfile(os.path.join(source, f)) for f in MARIAN_TOKENIZER_FILES) else None
+  name = "tokenizer.model" if cfg.data.tokenizer == "sentencepiece" else "tokenizer.json"
+  if os.path.isfile(source):
+    if not source.endswith(os.path.splitext(name)[1]):
+      raise UserError(f"--tokenizer {source}: expected a {name} (or a folder holding one)")
+    return source
+  path = os.path.join(source, name)
+  return path if os.path.isfile(path) else None
+
+
+def import_tokenizer(hf_dir, cfg, kind, workdir, source=None, log=print):
+  """Copies (or packs, for Marian) the tokenizer from `source` (default: `hf_dir`) into the workdir;
+  returns its path there, or None (with a warning) when there is none: the weights alone still import."""
   from jaxformer import tasks
   dest = tasks.tokenizer_path(cfg, workdir)
+  found = tokenizer_file(source or hf_dir, cfg)
+  if found is None:
+    if source:
+      raise UserError(f"--tokenizer {source} holds no {cfg.data.tokenizer} tokenizer (tokenizer.json, Llama-1/2's "
+                      f"tokenizer.model, or Marian's {', '.join(MARIAN_TOKENIZER_FILES)})")
+    log(f"warning: {hf_dir} has no tokenizer files: imported the weights only; eval.py and jaxformer.generate "
+        f"need a tokenizer: copy it to {dest} or convert again with --tokenizer PATH")
+    return None
   if cfg.data.tokenizer == "marian":
-    tok = tokenizer_lib.MarianTokenizer.from_hf_dir(hf_dir)
+    tok = tokenizer_lib.MarianTokenizer.from_hf_dir(found)
     tok.save(dest)
   else:
-    source = os.path.join(hf_dir, "tokenizer.model" if cfg.data.tokenizer == "sentencepiece" else "tokenizer.json")
-    if not os.path.isfile(source):
-      raise UserError(f"{hf_dir} has no {os.path.basename(source)}: jaxformer needs the model's tokenizer "
-                      "(tokenizer.json, or Llama-1/2's tokenizer.model)")
-    shutil.copyfile(source, dest)
+    shutil.copyfile(found, dest)
   tok = tokenizer_lib.load_tokenizer(dest)
   tok.use_model_ids(cfg.model.pad_id, cfg.model.bos_id, cfg.model.eos_id, os.path.join(hf_dir, "config.json"))
   if tok.vocab_size > cfg.model.vocab_size:
-    raise UserError(f"the tokenizer in {hf_dir} has {tok.vocab_size} ids but config.json's vocab_size is "
+    raise UserError(f"the tokenizer in {source or hf_dir} has {tok.vocab_size} ids but config.json's vocab_size is "
                     f"{cfg.model.vocab_size}")
   return dest
 
@@ -493,28 +546,36 @@ def _numpy_saved_in_place():
     absl_logging.set_verbosity(verbosity)
 
 
-def from_hf(hf_dir, workdir, log=print):
-  """Converts an HF folder into a jaxformer workdir; returns the Config."""
+def from_hf(hf_dir, workdir, log=print, ids=None, tokenizer=None):
+  """Converts an HF folder into a jaxformer workdir; returns the Config.
+
+  `ids`: token ids config.json lacks (see `config_from_hf`); `tokenizer`: a tokenizer file or folder
+  to import instead of `hf_dir`'s (a folder without one imports the weights alone, with a warning).
+  """
   if not os.path.isdir(hf_dir):
     raise UserError(f"--from-hf {hf_dir}: not a directory")
-  cfg, kind, hf, gen = config_from_hf(hf_dir)
+  if tokenizer and not os.path.exists(tokenizer):
+    raise UserError(f"--tokenizer {tokenizer}: not found")
+  cfg, kind, hf, gen = config_from_hf(hf_dir, ids, tokenizer)
   if os.path.exists(os.path.join(workdir, "config.json")) or os.path.isdir(os.path.join(workdir, "checkpoints")):
     raise UserError(f"--workdir {workdir} already holds a run: choose a new directory")
   reader = SafetensorsReader(hf_dir)
   params = read_params(reader, cfg, kind, hf_dir)
   os.makedirs(workdir, exist_ok=True)
-  tok_path = import_tokenizer(hf_dir, cfg, kind, workdir)
+  tok_path = import_tokenizer(hf_dir, cfg, kind, workdir, tokenizer, log)
   for name, content in (("hf_config.json", hf), ("hf_generation_config.json", gen)):  # kept for --to-hf
     with open(os.path.join(workdir, name), "w") as f:
       json.dump(content, f, indent=2)
-  meta = {"step": 0, "config": cfg.name, "tokenizer": tok_path, "tokenizer_sha256": evaluate.file_sha256(tok_path),
+  meta = {"step": 0, "config": cfg.name, "tokenizer": tok_path,
+          "tokenizer_sha256": evaluate.file_sha256(tok_path) if tok_path else None,
           "converted_from": os.path.abspath(hf_dir), "hf_model_type": kind}
   with _numpy_saved_in_place():
     checkpoint_lib.save_params(workdir, params, step=0, meta=meta)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config_lib.to_json(cfg))
   n = sum(_get(params, p).size for p in _leaf_paths(params))
-  log(f"converted {kind} from {hf_dir}: {n:,} parameters -> {workdir} (checkpoint step 0, tokenizer {tok_path})")
+  log(f"converted {kind} from {hf_dir}: {n:,} parameters -> {workdir} (checkpoint step 0, tokenizer "
+      f"{tok_path or 'none'})")
   return cfg
 
 
@@ -735,6 +796,11 @@ def parse_args(argv):
   parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                       help="with --to-hf: tensor dtype written")
   parser.add_argument("--max-shard-mb", type=int, default=2048, help="with --to-hf: safetensors shard size")
+  parser.add_argument("--tokenizer", metavar="PATH", help="with --from-hf: the tokenizer to import (a tokenizer.json "
+                      "or tokenizer.model, or a folder holding it) when HF_DIR has none")
+  for _, key, flag in _IDS:
+    parser.add_argument(flag, type=int, default=None, metavar="N",
+                        help=f"with --from-hf: the id when config.json's {key} is null (overrides it)")
   return parser.parse_intermixed_args(argv)
 
 
@@ -745,7 +811,8 @@ def main(argv):
   if args.from_hf:
     if not args.workdir:
       raise UserError("--from-hf needs --workdir W (the jaxformer workdir to write)")
-    return from_hf(args.from_hf, args.workdir)
+    ids = {"bos_id": args.bos_id, "eos_id": args.eos_id, "pad_id": args.pad_id}
+    return from_hf(args.from_hf, args.workdir, ids=ids, tokenizer=args.tokenizer)
   if not args.out:
     raise UserError("--to-hf needs --out DIR (the Hugging Face folder to write)")
   return to_hf(args.to_hf, args.out, args.step, args.dtype, args.max_shard_mb)

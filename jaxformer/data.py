@@ -540,6 +540,35 @@ class LMBatcher:
     }
 
 
+def whole_stream_batches(stream, block_size, batch_size, eos_id=EOS_ID):
+  """Every token of `stream` predicted once: consecutive windows of `block_size` targets, batched.
+
+  The last window slides back to end at the stream's end, its already-counted targets weighted 0;
+  rows that pad the last batch repeat window 0 at weight 0. Yields dicts of [batch_size, block_size]
+  arrays: inputs, targets, segment_ids and positions (as `LMBatcher`), and float32 `weights`
+  (they sum to len(stream) - 1 over all batches).
+  """
+  n = len(stream)
+  if n < block_size + 1:
+    raise UserError(f"the token stream has {n} tokens, fewer than block_size + 1 = {block_size + 1}; use a smaller "
+                    "block_size or more text")
+  starts = np.arange(0, n - 1, block_size)
+  taken = np.minimum(starts, n - 1 - block_size)
+  weights = np.ones((len(starts), block_size), np.float32)
+  weights[-1, :starts[-1] - taken[-1]] = 0.0
+  rows = -(-len(starts) // batch_size) * batch_size
+  taken = np.concatenate([taken, np.zeros(rows - len(starts), taken.dtype)])
+  weights = np.concatenate([weights, np.zeros((rows - len(starts), block_size), np.float32)])
+  read = (lambda s: stream.take(s, block_size + 1)) if hasattr(stream, "take") else (
+      lambda s: np.asarray(stream)[s[:, None] + np.arange(block_size + 1)])
+  for r in range(0, rows, batch_size):
+    w = np.asarray(read(taken[r:r + batch_size]), np.int32)
+    inputs, targets = w[:, :-1], w[:, 1:]
+    segment_ids, positions = _segments_after_eos(inputs, eos_id)
+    yield {"inputs": inputs, "targets": targets, "segment_ids": segment_ids, "positions": positions,
+           "weights": weights[r:r + batch_size]}
+
+
 _MIX = tuple(np.uint64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9,
                                     0x94D049BB133111EB))
 

@@ -9,6 +9,7 @@ import argparse
 import hashlib
 import json
 import os
+import sys
 import time
 
 import flax.linen as nn
@@ -105,25 +106,37 @@ def load_run(workdir, average_last=0, step=None, log=print, overrides=(), scan_l
   path = os.path.join(workdir, "config.json")
   if not os.path.exists(path):
     raise UserError(f"{workdir} has no config.json: is it a training workdir (train.py --workdir)?")
-  with open(path) as f:
-    cfg = config_lib.from_dict(json.load(f))
+  # Unknown keys (a run saved by another version) are skipped with a warning, never silently.
+  cfg = saved = config_lib.load_saved_config(path, warn=lambda msg: print(msg, file=sys.stderr))
   for override in overrides:
     if override.split("=", 1)[0].strip().split(".")[0] not in EVAL_OVERRIDE_SECTIONS:
       raise UserError(f"override {override!r}: evaluation takes decode.* and data.* overrides only "
                       f"(the model comes from {path})")
     cfg = config_lib.apply_override(cfg, override)
-  config_lib._validate(cfg)  # an override like decode.length_penalty=typo is an error, not a silent default
+  try:
+    config_lib._validate(cfg)  # an override like decode.length_penalty=typo is an error, not a silent default
+  except UserError as e:
+    try:
+      config_lib._validate(saved)
+    except UserError as saved_error:  # the run's own setting (older versions accepted it): warn, evaluate
+      if str(saved_error) != str(e):
+        raise e from None
+      print(f"warning: {path}: {e} (a setting of the run itself; evaluating anyway)", file=sys.stderr)
+    else:
+      raise
   if scan_layers is not None:
     cfg = config_lib.replace(cfg, **{"model.scan_layers": bool(scan_layers)})
   # Read-only (no lease, no cleanup): works while training writes the workdir. Every checkpoint
   # read is verified against its checksums; a damaged one is a one-line error.
   ckpt = checkpoint_lib.Checkpointer(workdir, max_to_keep=None, async_save=False, log=log)
   try:
-    steps = (ckpt.all_steps()[-average_last:] or [None]) if average_last > 1 else [step]
+    # --average-last K --step S: the K checkpoints ending at S
+    steps = (checkpoint_lib.averaged_steps(ckpt.all_steps(), average_last, step, ckpt.directory)
+             if average_last > 1 else [step])
     stored_scan = stored_scan_layers(ckpt, steps[-1])
     _, shapes = abstract_params(config_lib.replace(cfg, **{"model.scan_layers": stored_scan}))
     if average_last > 1:
-      params = checkpoint_lib.average_checkpoints(workdir, average_last, {"params": shapes}, log=log)
+      params = checkpoint_lib.average_checkpoints(workdir, average_last, {"params": shapes}, log=log, until=step)
       _, meta = ckpt.restore_params(shapes, step=steps[-1])
       log(f"averaged the last {average_last} checkpoints: steps {steps}")
     else:
@@ -137,7 +150,8 @@ def load_run(workdir, average_last=0, step=None, log=print, overrides=(), scan_l
   model = model_lib.build_model(cfg.model)
   tok_path = tasks.tokenizer_path(cfg, workdir)
   if tok_path != "byte" and not os.path.exists(tok_path):
-    raise UserError(f"tokenizer {tok_path} is missing: eval needs the tokenizer the model was trained with")
+    raise UserError(f"tokenizer {tok_path} is missing: eval and generate need the tokenizer the model was trained "
+                    "with (a model converted without one: copy it there, or convert again with --tokenizer PATH)")
   if meta.get("tokenizer_sha256") not in (None, file_sha256(tok_path)):
     raise UserError(f"tokenizer {tok_path} is not the one checkpoint step {meta.get('step')} was trained "
                     "with (its hash differs): restore the original tokenizer file")
@@ -219,7 +233,8 @@ def parse_args(argv):
   parser = argparse.ArgumentParser(description="Evaluate a jaxformer run or score a system output.")
   parser.add_argument("--workdir", help="training workdir (config.json, tokenizer, checkpoints)")
   parser.add_argument("--split", default="test", help="dev or test (translation)")
-  parser.add_argument("--average-last", type=int, default=0, help="average the last K checkpoints")
+  parser.add_argument("--average-last", type=int, default=0,
+                      help="average the last K checkpoints (with --step S: the K ending at step S)")
   parser.add_argument("--save-average", help="save the averaged params as a checkpoint in this directory")
   parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
   parser.add_argument("--beam", type=int, default=None, help="beam size (1 = greedy)")

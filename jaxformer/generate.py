@@ -1,7 +1,10 @@
 """Sample from a trained decoder-only model.
 
     python -m jaxformer.generate --workdir DIR --prompt "ROMEO:" [--prompt "..."] \
-        [--max-new-tokens 200] [--temperature 0.8] [--top-k 200] [--top-p 1.0] [--seed 0]
+        [--max-new-tokens 200] [--temperature 0.8] [--top-k 200] [--top-p 1.0] [--seed 0] [decode.*=...]
+
+How to sample comes from the run's `decode` config (`decode.temperature`, `top_k`, `top_p`,
+`max_new_tokens`), which `decode.*` overrides change; a flag, when given, overrides both.
 
 Prompts of different lengths are batched; the prompt is prefilled in one call and the
 decode loop runs inside jit on the KV cache (`jaxformer.decode.generate`). A prefix
@@ -16,18 +19,26 @@ import argparse
 import jax
 import numpy as np
 
+from jaxformer import config as config_lib
 from jaxformer import decode
 from jaxformer import evaluate
 from jaxformer import runtime
 from jaxformer.errors import UserError, cli
 
 
-def generate_text(model, params, tokenizer, cfg, prompts, max_new_tokens=200, temperature=0.8, top_k=0,
-                  top_p=1.0, seed=0, prefix="", stop_at_eos=True, log=print):
+def generate_text(model, params, tokenizer, cfg, prompts, max_new_tokens=None, temperature=None, top_k=None,
+                  top_p=None, seed=0, prefix="", stop_at_eos=True, log=print):
   """Continues each prompt string; returns the generated continuations (prompt excluded).
+
+  `max_new_tokens`, `temperature`, `top_k`, `top_p`: None takes the value of `cfg.decode`.
 
   Past a learned-position table `log` gets one note: the context slides (nanoGPT's crop).
   """
+  d = cfg.decode
+  max_new_tokens = d.max_new_tokens if max_new_tokens is None else max_new_tokens
+  temperature = d.temperature if temperature is None else temperature
+  top_k = d.top_k if top_k is None else top_k
+  top_p = d.top_p if top_p is None else top_p
   bos = [tokenizer.bos_id] if cfg.data.add_bos else []  # Llama's text starts with BOS: the prefix's, else each prompt's
   prefix_ids = bos + tokenizer.encode(prefix) if prefix else []
   ids = [([] if prefix else bos) + tokenizer.encode(p) or [tokenizer.bos_id] for p in prompts]
@@ -52,10 +63,11 @@ def parse_args(argv):
   parser.add_argument("--workdir", required=True)
   parser.add_argument("--prompt", action="append", default=None, help="repeat for a batch of prompts")
   parser.add_argument("--prefix", default="", help="shared prefix, prefilled once for all prompts")
-  parser.add_argument("--max-new-tokens", type=int, default=None)
-  parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-  parser.add_argument("--top-k", type=int, default=0)
-  parser.add_argument("--top-p", type=float, default=1.0)
+  # None: the run's decode.* (after decode.* overrides); a flag given wins over both.
+  parser.add_argument("--max-new-tokens", type=int, default=None, help="default: decode.max_new_tokens")
+  parser.add_argument("--temperature", type=float, default=None, help="0 = greedy; default: decode.temperature")
+  parser.add_argument("--top-k", type=int, default=None, help="0 = off; default: decode.top_k")
+  parser.add_argument("--top-p", type=float, default=None, help="default: decode.top_p")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--step", type=int, default=None)
   parser.add_argument("overrides", nargs="*", help="decode.* overrides of the run's config, e.g. decode.max_new_tokens=500")
@@ -73,9 +85,13 @@ def main(argv):
   if cfg.model.arch != "decoder_only":
     raise UserError(f"{args.workdir} holds a translation model: use eval.py to translate")
   prompts = args.prompt or ["\n"]
-  max_new = cfg.decode.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
-  outputs = generate_text(model, params, tokenizer, cfg, prompts, max_new, args.temperature, args.top_k,
-                          args.top_p, args.seed, args.prefix)
+  flags = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
+           "top_p": args.top_p}
+  cfg = config_lib.replace(cfg, **{f"decode.{k}": v for k, v in flags.items() if v is not None})
+  # A flag's value gets the range check of its decode.* field (the run's other sections were checked
+  # by load_run, which lets a setting of an older run through with a warning).
+  config_lib._validate(config_lib.Config(decode=cfg.decode))
+  outputs = generate_text(model, params, tokenizer, cfg, prompts, seed=args.seed, prefix=args.prefix)
   for prompt, out in zip(prompts, outputs):
     print(f"--- {args.prefix}{prompt!r}\n{args.prefix}{prompt}{out}")
   return outputs

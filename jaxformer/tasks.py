@@ -154,15 +154,20 @@ class LMTask:
 
   def _prepare(self, batch):
     if not self.cfg.data.use_segments:
-      batch = {k: v for k, v in batch.items() if k in ("inputs", "targets")}
+      batch = {k: v for k, v in batch.items() if k in ("inputs", "targets", "weights")}
     return batch
 
   def train_batch(self, step):
     return self._prepare(self.train.batch_at(step))
 
   def eval_batches(self, split="dev", limit=0):
-    """Fixed random windows of the validation stream (nanoGPT's estimate: eval_iters batches)."""
-    return [self._prepare(self.val.batch_at(i)) for i in range(limit or 20)]
+    """`limit` fixed random windows of the validation stream (nanoGPT's estimate: eval_iters batches),
+    or with `limit` 0 (train.eval_batches=0) the whole stream, each token predicted once."""
+    if limit:
+      return [self._prepare(self.val.batch_at(i)) for i in range(limit)]
+    d = self.cfg.data
+    return [self._prepare(b) for b in data_lib.whole_stream_batches(self.val_stream, d.block_size, d.batch_size,
+                                                                     self.tokenizer.eos_id)]
 
   @staticmethod
   def num_tokens(batch):
@@ -171,7 +176,7 @@ class LMTask:
   @staticmethod
   def loss(model, params, batch, rngs, deterministic, label_smoothing):
     args = (batch["inputs"], batch.get("segment_ids"), batch.get("positions"))
-    weights = jnp.ones(batch["targets"].shape, jnp.float32)
+    weights = batch.get("weights", jnp.ones(batch["targets"].shape, jnp.float32))  # eval's whole stream weighs
     return model_loss(model, params, args, rngs, deterministic, batch["targets"], weights, label_smoothing)
 
   @staticmethod

@@ -361,9 +361,28 @@ def _atomic_write(path, data):
   os.replace(tmp, path)
 
 
+# sentencepiece's trainer skips lines longer than max_sentence_length bytes (default 4,192, its log
+# switched off here): a corpus of long paragraphs lost most of its text from tokenizer training
+# without a word. Raised to 1 MiB; lines longer still are counted and reported.
+MAX_SENTENCE_BYTES = 1 << 20
+
+
+def _utf8_len(line):
+  return len(line) if 4 * len(line) <= MAX_SENTENCE_BYTES else len(line.encode("utf-8"))
+
+
+def _count_long_lines(paths):
+  """Lines of the files at `paths` longer than MAX_SENTENCE_BYTES (what sentencepiece would skip)."""
+  long = 0
+  for path in paths:
+    with open(path, "rb") as f:
+      long += sum(len(line.rstrip(b"\r\n")) > MAX_SENTENCE_BYTES for line in f)
+  return long
+
+
 def train_sentencepiece(text_iter_or_files, vocab_size, model_path,
                         model_type="bpe", input_sentence_size=2_000_000,
-                        character_coverage=1.0, num_threads=None):
+                        character_coverage=1.0, num_threads=None, log=print):
   """Trains a joint sentencepiece model and writes it to `model_path`.
 
   Args:
@@ -378,6 +397,7 @@ def train_sentencepiece(text_iter_or_files, vocab_size, model_path,
       keeps training to minutes on WMT-sized corpora.
     character_coverage: 1.0 keeps every character (fine for en/de).
     num_threads: trainer threads (default: all CPUs).
+    log: gets one warning if lines longer than MAX_SENTENCE_BYTES were left out.
   Returns:
     The trained `SentencePieceTokenizer`.
   """
@@ -386,12 +406,19 @@ def train_sentencepiece(text_iter_or_files, vocab_size, model_path,
   if not model_path.endswith(".model"):
     raise UserError(f"sentencepiece model path {model_path} must end in .model")
   kwargs = {}
+  too_long = [0]
   if _is_file_list(text_iter_or_files):
     kwargs["input"] = [os.fspath(p) for p in text_iter_or_files]
+    too_long[0] = _count_long_lines(kwargs["input"])
   else:
-    kwargs["sentence_iterator"] = (
-        line for chunk in text_iter_or_files for line in chunk.split("\n")
-        if line.strip())
+    def lines():
+      for chunk in text_iter_or_files:
+        for line in chunk.split("\n"):
+          if line.strip():
+            if _utf8_len(line) > MAX_SENTENCE_BYTES:
+              too_long[0] += 1  # counted here, skipped by the trainer
+            yield line
+    kwargs["sentence_iterator"] = lines()
   os.makedirs(os.path.dirname(os.path.abspath(model_path)), exist_ok=True)
   prefix = os.path.join(os.path.dirname(os.path.abspath(model_path)),
                         f".tmp-spm-{os.getpid()}")
@@ -402,7 +429,7 @@ def train_sentencepiece(text_iter_or_files, vocab_size, model_path,
         input_sentence_size=input_sentence_size, shuffle_input_sentence=True,
         character_coverage=character_coverage, hard_vocab_limit=False,
         num_threads=num_threads or os.cpu_count() or 1, minloglevel=2,
-        **kwargs)
+        max_sentence_length=MAX_SENTENCE_BYTES, **kwargs)
   except RuntimeError as e:
     raise UserError(f"sentencepiece training failed: {e}") from e
   with open(prefix + ".model", "rb") as f:
@@ -415,6 +442,9 @@ def train_sentencepiece(text_iter_or_files, vocab_size, model_path,
     model = proto.SerializeToString()
   except ImportError:
     pass
+  if too_long[0]:
+    log(f"warning: {too_long[0]:,} lines longer than {MAX_SENTENCE_BYTES:,} bytes were left out of sentencepiece "
+        "training (its max_sentence_length); split them (e.g. data.doc_per=line) to use them")
   os.replace(prefix + ".vocab", model_path[:-len(".model")] + ".vocab")
   os.remove(prefix + ".model")
   _atomic_write(model_path, model)

@@ -335,7 +335,8 @@ def _train_and_evaluate(cfg, workdir, log, lease):
           sources, refs = task.splits["dev"]
           n = cfg.train.eval_bleu_sentences
           hyps = evaluate_lib.translate(model, state["params"], task.tokenizer, sources[:n], beam_size=1,
-                                        batch_size=cfg.decode.batch_size, suppress_pad=cfg.decode.suppress_pad)
+                                        max_extra_len=cfg.decode.max_extra_len, batch_size=cfg.decode.batch_size,
+                                        suppress_pad=cfg.decode.suppress_pad)
           val["val_bleu"] = bleu.sacrebleu_scores(hyps, refs[:n])["bleu"]
         writer.write(step, val)
         log(f"step {step} | " + " | ".join(f"{k} {v:.4f}" for k, v in val.items() if k != "val_tokens"))
@@ -410,7 +411,7 @@ def copy_init_tokenizer(cfg, workdir, log=print):
     return
   source = cfg.train.init_from
   saved = os.path.join(source, "config.json")  # where that run keeps its tokenizer (its data.data_dir, maybe)
-  source_cfg = (config_lib.load_config(saved) if os.path.isfile(saved)
+  source_cfg = (config_lib.load_saved_config(saved, warn=log) if os.path.isfile(saved)
                 else config_lib.replace(cfg, **{"data.data_dir": ""}))
   mine, theirs = tasks.tokenizer_path(cfg, workdir), tasks.tokenizer_path(source_cfg, source)
   if mine == "byte" or os.path.exists(mine) or not os.path.isfile(theirs):

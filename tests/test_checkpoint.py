@@ -157,6 +157,16 @@ def test_average_and_save_params(tmp_path):
   with pytest.raises(UserError, match="last 5 checkpoints"):
     checkpoint.average_checkpoints(tmp_path, 5, abstract)
 
+  # `until` (eval.py --average-last K --step S): the K checkpoints ending at step S, here 0..2
+  until = checkpoint.average_checkpoints(tmp_path, 3, abstract, until=2)
+  for got, *leaves in zip(jax.tree.leaves(until), *[jax.tree.leaves(s["params"]) for s in states[:3]]):
+    want = np.mean(np.stack([np.asarray(x, np.float32) for x in leaves]), 0).astype(leaves[0].dtype)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want.astype(np.float32), rtol=1e-6)
+  with pytest.raises(UserError, match=r"last 3 checkpoints ending at step 1: .* has 2 \(\[0, 1\]\)"):
+    checkpoint.average_checkpoints(tmp_path, 3, abstract, until=1)
+  with pytest.raises(UserError, match=r"ending at step 7: .* has no step 7 \(it has \[0, 1, 2, 3\]\)"):
+    checkpoint.average_checkpoints(tmp_path, 2, abstract, until=7)
+
   out = tmp_path / "averaged"
   checkpoint.save_params(out, avg, step=3, meta={"averaged": [1, 2, 3]})
   with checkpoint.Checkpointer(out) as ckpt:

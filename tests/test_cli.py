@@ -3,12 +3,21 @@
 import json
 import os
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from conftest import TINY_OVERRIDES
+from jaxformer import checkpoint as checkpoint_lib
+from jaxformer import config as config_lib
+from jaxformer import decode
 from jaxformer import evaluate
 from jaxformer import generate
 from jaxformer import inspect as inspect_lib
+from jaxformer import model as model_lib
+from jaxformer import tokenizer as tokenizer_lib
 from jaxformer import train
 from jaxformer.errors import UserError
 
@@ -71,3 +80,44 @@ def test_eval_overrides_are_decode_and_data_only(tiny_run):
   assert cfg.decode.alpha == 1.5
   with pytest.raises(UserError, match="decode.* and data.* overrides only"):
     evaluate.load_run(workdir, log=lambda *a: None, overrides=["model.d_model=8"])
+
+
+@pytest.fixture(scope="module")
+def lm_workdir(tmp_path_factory):
+  """A decoder-only workdir made by hand (no training): gpt2_tiny with random params, a char tokenizer."""
+  workdir = tmp_path_factory.mktemp("lm_run")
+  tok = tokenizer_lib.CharTokenizer.train(["First Citizen:\nBefore we proceed any further, hear me speak.\n"])
+  cfg = config_lib.load_config("gpt2_tiny", [f"model.vocab_size={tok.vocab_size}"])
+  tok.save(str(workdir / "tokenizer.json"))
+  model = model_lib.build_model(cfg.model)
+  shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
+  rng = np.random.default_rng(0)  # random params (std 0.3) without compiling an init
+  params = jax.tree.map(lambda s: np.asarray(rng.normal(0.0, 0.3, s.shape), s.dtype), nn.unbox(shapes))
+  checkpoint_lib.save_params(str(workdir), params, step=1)
+  (workdir / "config.json").write_text(config_lib.to_json(cfg))
+  return str(workdir)
+
+
+def test_decode_overrides_reach_generate(lm_workdir, monkeypatch):
+  """`decode.temperature/top_k/top_p/max_new_tokens` of the run's config (and their overrides) are what
+  generate samples with; a flag, when given, wins (the issue: decode.temperature=0 still sampled at 0.8)."""
+  run = lambda *argv: generate.main(["--workdir", lm_workdir, "--prompt", "First", *argv])
+  greedy = run("decode.temperature=0", "decode.max_new_tokens=12")  # real decoding, one compile
+  assert greedy == run("--temperature", "0", "--max-new-tokens", "12")  # the flags: the same greedy tokens
+  seen = []
+
+  def spy(model, params, prompts, max_new_tokens, rng, **kwargs):  # records what generate was asked for
+    seen.append((max_new_tokens, kwargs["temperature"], kwargs["top_k"], kwargs["top_p"]))
+    return np.zeros((len(prompts), max_new_tokens), np.int32)
+
+  monkeypatch.setattr(decode, "generate", spy)
+  defaults = config_lib.DecodeConfig()
+  run()
+  assert seen[-1] == (defaults.max_new_tokens, defaults.temperature, defaults.top_k, defaults.top_p)  # not 0.8
+  run("decode.temperature=0", "decode.top_k=3", "decode.top_p=0.5", "decode.max_new_tokens=12")
+  assert seen[-1] == (12, 0.0, 3, 0.5)
+  run("decode.temperature=0", "--temperature", "0.7", "decode.top_k=2", "--top-k", "5", "decode.max_new_tokens=4",
+      "--top-p", "0.9", "--max-new-tokens", "7")
+  assert seen[-1] == (7, 0.7, 5, 0.9)  # flags override the config
+  with pytest.raises(SystemExit):  # a flag gets the range check of its decode.* field: one line, exit 2
+    run("--top-p", "0")

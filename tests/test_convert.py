@@ -27,6 +27,7 @@ from jaxformer import convert
 from jaxformer import decode
 from jaxformer import evaluate
 from jaxformer import generate
+from jaxformer import model as model_lib
 from jaxformer import prepare
 from jaxformer import shards
 from jaxformer import tasks
@@ -262,6 +263,63 @@ def test_unsupported_architectures_and_mismatched_files_are_one_line_errors(tmp_
   assert_one_line_error(capsys, r"already holds a model", "--to-hf", w, "--out", str(FIXTURES / "gpt2"))
 
 
+def test_null_token_ids_are_one_line_errors_until_given_by_flags(converted, tmp_path, capsys):
+  """`"bos_token_id": null` / `"eos_token_id": null` (transformers' config of a model built from a bare
+  config object) was a TypeError traceback in the config check."""
+  w = str(tmp_path / "w")
+  nulls = edited_copy(tmp_path, "gpt2", lambda c: c.update(bos_token_id=None, eos_token_id=None))
+  assert_one_line_error(capsys, r"config\.json has eos_token_id null \(or absent\): give the id with --eos-id N",
+                        "--from-hf", nulls, "--workdir", w)
+  assert_one_line_error(capsys, r"has bos_token_id null .*--bos-id N", "--from-hf",
+                        edited_copy(tmp_path, "llama", lambda c: c.update(bos_token_id=None)), "--workdir", w)
+  assert_one_line_error(capsys, r"has decoder_start_token_id null .*--bos-id N", "--from-hf",
+                        edited_copy(tmp_path, "marian", lambda c: c.update(decoder_start_token_id=None)),
+                        "--workdir", w)
+  assert not os.path.exists(w)
+  _, cfg, _, params, _ = converted("gpt2")
+  eos = cfg.model.eos_id
+  assert run_cli(capsys, "--from-hf", nulls, "--workdir", w, "--eos-id", str(eos))[0] == 0
+  got_cfg, _, got, _, _ = evaluate.load_run(w, **QUIET)
+  assert (got_cfg.model.bos_id, got_cfg.model.eos_id, got_cfg.model.pad_id) == (eos, eos, eos)  # GPT-2: BOS = EOS
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got, params)
+
+
+def test_a_folder_without_tokenizer_imports_the_weights_with_a_warning(converted, tmp_path, capsys):
+  """Users with their own tokenization have only the weights: import them, warn that eval/generate need a
+  tokenizer, and take one with --tokenizer PATH (a file or a folder)."""
+  bare = pathlib.Path(edited_copy(tmp_path, "gpt2", lambda c: None))
+  for f in ("tokenizer.json", "tokenizer_config.json"):
+    (bare / f).unlink()
+  w = str(tmp_path / "w")
+  code, err = run_cli(capsys, "--from-hf", str(bare), "--workdir", w)
+  assert code == 0, err
+  _, cfg, _, params, tok = converted("gpt2")
+  with pytest.raises(UserError, match=r"tokenizer \S+tokenizer\.json is missing: eval and generate need"):
+    evaluate.load_run(w, **QUIET)
+  with_file, with_dir = str(tmp_path / "w2"), str(tmp_path / "w3")
+  assert run_cli(capsys, "--from-hf", str(bare), "--workdir", with_file,
+                 "--tokenizer", str(FIXTURES / "gpt2" / "tokenizer.json"))[0] == 0
+  assert run_cli(capsys, "--from-hf", str(bare), "--workdir", with_dir, "--tokenizer", str(FIXTURES / "gpt2"))[0] == 0
+  for workdir in (with_file, with_dir):
+    _, _, got, got_tok, _ = evaluate.load_run(workdir, **QUIET)
+    assert got_tok.encode("A man in") == tok.encode("A man in")
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got, params)
+  assert_one_line_error(capsys, r"--tokenizer \S+ holds no hf tokenizer", "--from-hf", str(bare), "--workdir",
+                        str(tmp_path / "w4"), "--tokenizer", str(tmp_path))
+  assert_one_line_error(capsys, r"--tokenizer \S+tokenizer\.model: expected a tokenizer\.json", "--from-hf",
+                        str(bare), "--workdir", str(tmp_path / "w4"),
+                        "--tokenizer", str(FIXTURES / "llama" / "tokenizer.model"))
+
+
+def test_the_missing_tokenizer_warning_is_printed(tmp_path):
+  bare = pathlib.Path(edited_copy(tmp_path, "gpt2", lambda c: None))
+  (bare / "tokenizer.json").unlink()
+  logs = []
+  convert.from_hf(str(bare), str(tmp_path / "w"), log=logs.append)
+  assert any(line.startswith(f"warning: {bare} has no tokenizer files: imported the weights only; eval.py and "
+                             "jaxformer.generate need a tokenizer") for line in logs), logs
+
+
 def test_a_model_without_an_exact_hf_equivalent_is_not_exported():
   # The paper's encoder-decoder interleaves its sinusoids; Marian's are in halves.
   with pytest.raises(UserError, match=r"model\.sinusoidal_layout='interleaved' has no Hugging Face marian equivalent"):
@@ -273,17 +331,29 @@ def test_a_model_without_an_exact_hf_equivalent_is_not_exported():
 # ----------------------------------------------------------------------------- the workdir in use
 
 
-@pytest.mark.slow
 def _fine_tuning_config(workdir, tmp_path, steps, *overrides):
-  """A tiny fine-tuning run of the converted `workdir` on a repeated sentence, learning rate 0 (params unchanged)."""
+  """A tiny fine-tuning run of the converted `workdir` on a repeated sentence at a real learning rate
+  (the converted AdamW, constant 1e-2, clipped at 1), logging every step."""
   text = tmp_path / "text.txt"
   text.write_text(" ".join(["A man in an orange hat starring at something."] * 40) + "\n")
   return config_lib.load_config(os.path.join(workdir, "config.json"), [
       f"train.init_from={workdir}", f"data.text_path={text}", "data.block_size=16", "data.batch_size=2",
       f"train.num_steps={steps}", "train.log_every=1", f"train.eval_every={steps}", f"train.checkpoint_every={steps}",
-      "train.eval_batches=1", "train.sample_every_eval=false", "optim.learning_rate=0.0", *overrides])
+      "train.eval_batches=1", "train.sample_every_eval=false", "optim.learning_rate=1e-2", "model.dropout_rate=0",
+      "model.attention_dropout_rate=0", *overrides])
 
 
+def _logged(workdir, key="nll"):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [r[key] for r in map(json.loads, f) if key in r]
+
+
+def _assert_every_leaf_moved(new, old):
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(new), jax.tree.leaves(old)):
+    assert not np.array_equal(np.asarray(a), np.asarray(b)), f"{jax.tree_util.keystr(path)} did not change"
+
+
+@pytest.mark.slow
 def test_converted_workdirs_generate_translate_and_fine_tune(converted, tmp_path, capsys):
   # generate: Llama 3's prompt gets its BOS (data.add_bos) and decodes as transformers did.
   workdir, cfg, _, _, tok = converted("llama3")
@@ -299,15 +369,23 @@ def test_converted_workdirs_generate_translate_and_fine_tune(converted, tmp_path
   evaluate.main(["--workdir", workdir, f"data.test_src={tmp_path / 'src.txt'}", f"data.test_tgt={tmp_path / 'ref.txt'}",
                  "--out", str(hyp)])
   assert hyp.read_text().splitlines() == [tok.decode(b[0]) for b in meta["beams"]["default"]["sequences"]]
-  # train.init_from: the imported params and tokenizer, a fresh optimizer (learning rate 0: params unchanged).
-  workdir, cfg, _, params, _ = converted("gpt2")
+  # train.init_from: the imported params and tokenizer, a fresh optimizer; the loss of step 1 is the
+  # imported model's (checked against a forward pass of the converted params), then it falls.
+  workdir, cfg, model, params, tok = converted("gpt2")
   fine = str(tmp_path / "fine")
-  ft_cfg = _fine_tuning_config(workdir, tmp_path, 2)
+  ft_cfg = _fine_tuning_config(workdir, tmp_path, 6)
   result = train.train_and_evaluate(ft_cfg, fine, **QUIET)
-  assert int(result["state"]["step"]) == 2 and os.path.isfile(os.path.join(fine, "tokenizer.json"))
-  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
-               result["state"]["params"], params)
-  assert np.isfinite(result["loss"])
+  assert int(result["state"]["step"]) == 6 and os.path.isfile(os.path.join(fine, "tokenizer.json"))
+  nll = _logged(fine)
+  batch = result["task"].train_batch(0)
+  logits = np.asarray(model.apply({"params": params}, jnp.asarray(batch["inputs"]), jnp.asarray(batch["segment_ids"]),
+                                  jnp.asarray(batch["positions"])), np.float64)
+  logp = logits - logits.max(-1, keepdims=True)
+  logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+  first = -np.take_along_axis(logp, batch["targets"][..., None], -1).mean()
+  assert nll[0] == pytest.approx(first, rel=1e-4)  # step 1 starts from the converted params
+  assert len(nll) == 6 and nll[-1] < nll[0] - 1.0, nll  # a lost or zero update would not fall
+  _assert_every_leaf_moved(result["state"]["params"], params)
 
 
 def test_prepare_uses_a_converted_llama3_tokenizer_and_its_ids(converted, tmp_path, monkeypatch):
@@ -385,15 +463,21 @@ def test_marian_translation_data_is_prepared_with_its_target_side(converted, tmp
 
 def test_fine_tuning_with_scanned_layers_and_exporting_it(converted, tmp_path):
   """A converted (per-layer) checkpoint fine-tunes with model.scan_layers=true (train.init_from stacks
-  its layers) and the scanned run exports back to HF's per-layer tensors unchanged (learning rate 0)."""
+  its layers): the loss falls and every weight moves; the scanned run exports to HF's per-layer tensor
+  names, and importing that export gives back the fine-tuned params bit for bit."""
   workdir, cfg, _, params, _ = converted("llama")
   fine = str(tmp_path / "fine")
-  ft_cfg = _fine_tuning_config(workdir, tmp_path, 1, "model.scan_layers=true")
+  ft_cfg = _fine_tuning_config(workdir, tmp_path, 4, "model.scan_layers=true")
   result = train.train_and_evaluate(ft_cfg, fine, **QUIET)
-  assert "layers" in result["state"]["params"]["decoder"] and np.isfinite(result["loss"])
+  assert "layers" in result["state"]["params"]["decoder"]
+  nll = _logged(fine)
+  assert len(nll) == 4 and nll[-1] < nll[0] - 0.5, nll
+  tuned = model_lib.convert_layers(jax.device_get(result["state"]["params"]), False)  # per-layer, as imported
+  _assert_every_leaf_moved(tuned, params)
   out = tmp_path / "hf"
   convert.to_hf(fine, str(out), **QUIET)
-  original, exported = hf_tensors(FIXTURES / "llama"), hf_tensors(out)
-  assert sorted(exported) == sorted(original)
-  for key, value in original.items():
-    np.testing.assert_array_equal(exported[key].astype(np.float32), value.astype(np.float32), err_msg=key)
+  assert sorted(hf_tensors(out)) == sorted(hf_tensors(FIXTURES / "llama"))
+  back = str(tmp_path / "back")
+  convert.from_hf(str(out), back, **QUIET)
+  reimported = evaluate.load_run(back, **QUIET)[2]
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), reimported, tuned)

@@ -335,3 +335,24 @@ def test_load_translation_hub_mapping(monkeypatch):
   assert (src, tgt) == (["hello", "world"], ["hallo", "welt"])
   with pytest.raises(UserError, match="not fr and de"):
     data.load_translation("hf:wmt14", "test", "fr", "de")
+
+
+def test_sentencepiece_trains_on_long_lines_and_reports_the_ones_it_skips(tmp_path, monkeypatch):
+  """sentencepiece skips lines over its max_sentence_length (default 4,192 bytes) without a word: a
+  corpus of long paragraphs trained its tokenizer on what was left."""
+  short = [f"the quick brown fox {i} jumps over the lazy dog" for i in range(200)]
+  paragraph = " ".join(["жук"] * 1500)  # 10,499 bytes: its letters appear nowhere else
+  assert 4192 < len(paragraph.encode()) < tokenizer_lib.MAX_SENTENCE_BYTES
+  logs = []
+  tok = tokenizer_lib.train_sentencepiece(short + [paragraph], 120, tmp_path / "a.model", log=logs.append)
+  assert tokenizer_lib.UNK_ID not in tok.encode("жук") and not logs  # trained on, nothing skipped
+  # Lines longer than the raised limit are still skipped by the trainer, and now counted, from
+  # strings and from files.
+  monkeypatch.setattr(tokenizer_lib, "MAX_SENTENCE_BYTES", 5000)
+  (tmp_path / "corpus.txt").write_text("\n".join(short + [paragraph, paragraph]) + "\n")
+  for source, n in (([*short, paragraph], 1), ([str(tmp_path / "corpus.txt")], 2)):
+    logs = []
+    tok = tokenizer_lib.train_sentencepiece(source, 120, tmp_path / f"b{n}.model", log=logs.append)
+    assert logs == [f"warning: {n} lines longer than 5,000 bytes were left out of sentencepiece training "
+                    "(its max_sentence_length); split them (e.g. data.doc_per=line) to use them"]
+    assert tokenizer_lib.UNK_ID in tok.encode("жук")  # the skipped line taught it nothing

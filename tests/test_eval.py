@@ -22,6 +22,7 @@ from jaxformer import model as model_lib
 from jaxformer import tasks
 from jaxformer import tokenizer as tokenizer_lib
 from jaxformer.config import load_config
+from jaxformer.errors import UserError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 HYPS = ["the cat sat on the mat .", "a dog is running in the park", "hello world"]
@@ -106,6 +107,14 @@ def test_average_last_is_the_mean_of_the_checkpoints(tiny_run, capsys):
     np.testing.assert_allclose(np.asarray(a), (np.asarray(x, np.float64) + np.asarray(y)) / 2, rtol=1e-6, atol=1e-7)
   assert any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(p4), jax.tree.leaves(p8)))
   assert_user_error(capsys, r"cannot average the last 3 checkpoints", "--workdir", workdir, "--average-last", "3")
+  # --average-last K --step S: the K checkpoints ending at S (the issue: S was ignored)
+  _, _, same, _, meta = evaluate.load_run(workdir, average_last=2, step=8, log=lambda *a: None)
+  assert meta["step"] == 8
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(same), jax.device_get(averaged))
+  assert_user_error(capsys, r"cannot average the last 2 checkpoints ending at step 4: .* has 1 \(\[4\]\)",
+                    "--workdir", workdir, "--average-last", "2", "--step", "4")
+  assert_user_error(capsys, r"ending at step 6: .* has no step 6", "--workdir", workdir, "--average-last", "2",
+                    "--step", "6")
 
 
 def test_missing_run_errors(tiny_run, tmp_path, capsys):
@@ -117,6 +126,25 @@ def test_missing_run_errors(tiny_run, tmp_path, capsys):
   assert_user_error(capsys, "no checkpoint in", "--workdir", str(tmp_path / "empty"))
   assert_user_error(capsys, r"no checkpoint for step 5 .*\[4, 8\]", "--workdir", workdir, "--step", "5")
   assert_user_error(capsys, "give --workdir")
+
+
+def test_a_run_saved_by_an_older_version_still_evaluates(tiny_run, tmp_path, capsys):
+  """Its config.json may hold a key this version lacks, or a setting older versions accepted and this
+  one refuses (optim.weight_decay with Adam, silently ignored then): warnings, and the run evaluates;
+  a bad override is still an error."""
+  workdir = tmp_path / "old"
+  shutil.copytree(tiny_run[0], workdir)
+  saved = json.loads((workdir / "config.json").read_text())
+  saved["optim"].update(optimizer="adam", weight_decay=0.1)
+  saved["train"]["removed_knob"] = 1
+  (workdir / "config.json").write_text(json.dumps(saved))
+  cfg = evaluate.load_run(str(workdir), log=lambda *a: None, overrides=["decode.alpha=1.0"])[0]
+  assert cfg.decode.alpha == 1.0 and cfg.optim.weight_decay == 0.1
+  err = capsys.readouterr().err
+  assert "skipping unknown config key 'train.removed_knob'" in err
+  assert "optim.weight_decay=0.1 needs optim.optimizer=adamw" in err and "evaluating anyway" in err
+  with pytest.raises(UserError, match="decode.beam_size=0 must be at least 1"):
+    evaluate.load_run(str(workdir), log=lambda *a: None, overrides=["decode.beam_size=0"])
 
 
 def test_replaced_tokenizer_is_detected(tiny_run, tmp_path, capsys):
