@@ -241,3 +241,29 @@ def test_the_default_sample_prompt_is_one_the_tokenizer_encodes(monkeypatch):
     params = jax.jit(model.init)(jax.random.key(0), jnp.ones((1, 8), jnp.int32))["params"]
     text = train.sample_text(model, params, tokenizer, cfg, step=1, max_new_tokens=4)
     assert fed[-1] == [want(tokenizer)] and isinstance(text, str)
+
+
+_PREPARE_HWM = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+from jaxformer import prepare
+prepare.main(["--config", "shakespeare_char", "--workdir", sys.argv[3], "data.text_path=" + sys.argv[2],
+              "data.num_proc=1"])
+print([l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1])
+"""
+
+
+@pytest.mark.slow
+def test_preparing_one_big_file_does_not_grow_memory_with_it(tmp_path):
+  """VmHWM of `prepare` (in its own process, tokenizing in it) on one 4 MB and one 16 MB file: reading
+  the document whole grew it ~13x the file (92 -> 262 MiB here); streamed, 66 -> 69 MiB."""
+  line = " ".join(WORDS) + "\n"
+  peaks = []
+  for mb in (4, 16):
+    path = tmp_path / f"t{mb}.txt"
+    path.write_text(line * (mb * 2**20 // len(line)))
+    proc = subprocess.run([sys.executable, "-c", _PREPARE_HWM, str(ROOT), str(path), str(tmp_path / f"run{mb}")],
+                          capture_output=True, text=True, timeout=300, check=False, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    peaks.append(int(proc.stdout.split()[-1]) / 1024)  # MiB
+  assert peaks[1] - peaks[0] < 8, peaks  # the file grew by 12 MiB
