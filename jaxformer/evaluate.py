@@ -23,7 +23,7 @@ from jaxformer import decode
 from jaxformer import losses
 from jaxformer import model as model_lib
 from jaxformer import runtime
-from jaxformer import sources
+from jaxformer import sources as sources_lib
 from jaxformer import tasks
 from jaxformer import tokenizer as tokenizer_lib
 from jaxformer.errors import UserError, cli
@@ -276,7 +276,9 @@ def main(argv):
   if cfg.data.task == "lm":
     if args.text:
       # Read a block of lines at a time: the text as `data.read_lines` joins it, never whole.
-      text, name = sources.document_blocks(sources.local_file("--text", args.text)), args.text
+      if not os.path.isfile(args.text):
+        raise UserError(f"{args.text}: file not found")
+      text, name = sources_lib.document_blocks(sources_lib.check_not_empty(args.text)), args.text
     else:
       text, name = tasks.LMTask(cfg, args.workdir, log=lambda *_: None).val_blocks(), "the validation split"
     result = perplexity(model, params, tokenizer, text, cfg.data.block_size)

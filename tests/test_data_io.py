@@ -267,3 +267,24 @@ def test_preparing_one_big_file_does_not_grow_memory_with_it(tmp_path):
     assert proc.returncode == 0, proc.stderr
     peaks.append(int(proc.stdout.split()[-1]) / 1024)  # MiB
   assert peaks[1] - peaks[0] < 8, peaks  # the file grew by 12 MiB
+
+
+@pytest.mark.slow
+def test_eval_text_streams_the_file_and_scores_as_the_whole_text(tmp_path, capsys):
+  """`eval.py --workdir W --text FILE` on a trained char LM: the result of scoring the whole text."""
+  (tmp_path / "train.txt").write_text("\n".join(_docs(200, seed=1)) + "\n")
+  cfg = config_lib.load_config("gpt2_tiny", [f"data.text_path={tmp_path / 'train.txt'}", "model.num_layers=1",
+                                             "train.num_steps=2", "train.checkpoint_every=2", "train.eval_every=1000",
+                                             "train.sample_every_eval=false"])
+  train.train_and_evaluate(cfg, str(tmp_path / "run"), log=QUIET)
+  text = "".join(f"{d}\r\n" for d in _docs(30, seed=2))  # CRLF: read as read_lines reads it
+  (tmp_path / "t.txt").write_text(text, newline="")
+  got = evaluate.main(["--workdir", str(tmp_path / "run"), "--text", str(tmp_path / "t.txt")])
+  assert f"{tmp_path / 't.txt'}:\nperplexity per token" in capsys.readouterr().out
+  cfg, model, params, tokenizer, _ = evaluate.load_run(str(tmp_path / "run"), log=QUIET)
+  assert got == evaluate.perplexity(model, params, tokenizer, text.replace("\r\n", "\n"), cfg.data.block_size)
+  (tmp_path / "empty.txt").write_text("  \n")
+  for path, message in ((tmp_path / "empty.txt", "file is empty"), (tmp_path / "nope.txt", "file not found")):
+    with pytest.raises(SystemExit):
+      evaluate.main(["--workdir", str(tmp_path / "run"), "--text", str(path)])
+    assert capsys.readouterr().err == f"error: {path}: {message}\n"
