@@ -16,6 +16,9 @@ shard k of a split stores, for each field (`text`, or `src` and `tgt`):
 Documents never straddle shards. Readers present a split as one virtual array and read only
 what a batch needs: token rows with positional reads (`os.pread`), document offsets through
 memory maps (binary searches touch a few pages). Memory does not grow with the corpus.
+A reader checks every file's size against the manifest when it is made (`check_sizes`), opens a
+shard's files on first use (at most MAX_OPEN shards at a time) and closes them with `close()`;
+`verify` checks the sha256 of every file (`python -m jaxformer.prepare --verify`).
 """
 
 import hashlib
