@@ -20,11 +20,11 @@ import numpy as np
 from jaxformer import bleu
 from jaxformer import checkpoint as checkpoint_lib
 from jaxformer import config as config_lib
-from jaxformer import data as data_lib
 from jaxformer import decode
 from jaxformer import losses
 from jaxformer import model as model_lib
 from jaxformer import runtime
+from jaxformer import sources as sources_lib
 from jaxformer import tasks
 from jaxformer import tokenizer as tokenizer_lib
 from jaxformer.errors import UserError, cli
@@ -190,32 +190,51 @@ def evaluate_translation(cfg, model, params, tokenizer, split, out_path=None, be
 def perplexity(model, params, tokenizer, text, block_size, batch_size=8):
   """NLL of a text under a decoder-only model, in non-overlapping windows of block_size.
 
+  `text`: a str, or an iterable of consecutive str blocks (e.g. `sources.document_blocks`, cut at
+  line ends), each encoded alone and scored as they come: memory holds a block and a batch of
+  windows, not the text or its ids. Windows and batches are those of the whole token stream
+  (window w is ids[w * block_size : (w + 1) * block_size + 1]), so a text given in one block
+  scores exactly as before; blocks differ from the whole text only where a tokenizer's pieces
+  would cross a block boundary (never for char and byte tokenizers).
+
   Returns per-token NLL and perplexity, plus the same total normalised per character
   and per whitespace word (so models with different tokenizers compare) and bits/char.
   """
-  stream = np.asarray(tokenizer.encode(text), np.int32)
-  n_pred = len(stream) - 1
-  if n_pred < 1:
-    raise UserError("the text has fewer than 2 tokens: nothing to score")
-  windows = -(-n_pred // block_size)
-  rows = -(-windows // batch_size) * batch_size
-  inputs = np.zeros((rows, block_size), np.int32)
-  targets = np.zeros((rows, block_size), np.int32)
-  weights = np.zeros((rows, block_size), np.float32)
-  for w in range(windows):
-    chunk = stream[w * block_size: w * block_size + block_size + 1]
-    inputs[w, :len(chunk) - 1], targets[w, :len(chunk) - 1] = chunk[:-1], chunk[1:]
-    weights[w, :len(chunk) - 1] = 1.0
+  blocks = [text] if isinstance(text, str) else text
 
   @jax.jit
   def nll_sum(batch_inputs, batch_targets, batch_weights):
     logits = model.apply({"params": params}, batch_inputs)
     return losses.cross_entropy(logits, batch_targets, batch_weights)[1]
 
-  total = 0.0
-  for r in range(0, rows, batch_size):
-    total += float(nll_sum(inputs[r:r + batch_size], targets[r:r + batch_size], weights[r:r + batch_size]))
-  n_chars, n_words = max(len(text), 1), max(len(text.split()), 1)
+  rows_ids = batch_size * block_size  # the predicted tokens of one full batch
+  total, n_pred, n_chars, n_words = 0.0, 0, 0, 0
+  pending = np.zeros(0, np.int32)  # ids not yet scored, the last scored one first
+
+  def score(ids):
+    """NLL sum of the windows of `ids` [1 + predicted] as one batch of batch_size rows."""
+    inputs = np.zeros((batch_size, block_size), np.int32)
+    targets = np.zeros((batch_size, block_size), np.int32)
+    weights = np.zeros((batch_size, block_size), np.float32)
+    for w in range(-(-(len(ids) - 1) // block_size)):
+      chunk = ids[w * block_size: w * block_size + block_size + 1]
+      inputs[w, :len(chunk) - 1], targets[w, :len(chunk) - 1] = chunk[:-1], chunk[1:]
+      weights[w, :len(chunk) - 1] = 1.0
+    return float(nll_sum(inputs, targets, weights))
+
+  for block in blocks:
+    n_chars, n_words = n_chars + len(block), n_words + len(block.split())  # blocks cut at whitespace
+    pending = np.concatenate([pending, np.asarray(tokenizer.encode(block), np.int32)])
+    while len(pending) > rows_ids:  # a full batch and the target of its last window
+      total += score(pending[:rows_ids + 1])
+      n_pred += rows_ids
+      pending = pending[rows_ids:]
+  if len(pending) > 1:
+    total += score(pending)
+    n_pred += len(pending) - 1
+  if n_pred < 1:
+    raise UserError("the text has fewer than 2 tokens: nothing to score")
+  n_chars, n_words = max(n_chars, 1), max(n_words, 1)
   return {"tokens": n_pred, "nll_per_token": total / n_pred, "ppl_per_token": float(np.exp(total / n_pred)),
           "chars": n_chars, "ppl_per_char": float(np.exp(total / n_chars)),
           "bits_per_char": total / n_chars / np.log(2), "words": n_words,
@@ -271,9 +290,12 @@ def main(argv):
     print(f"saved averaged params to {args.save_average}/checkpoints/{meta.get('step', 0)}")
   if cfg.data.task == "lm":
     if args.text:
-      text, name = "\n".join(data_lib.read_lines(args.text)) + "\n", args.text
+      # Read a block of lines at a time: the text as `data.read_lines` joins it, never whole.
+      if not os.path.isfile(args.text):
+        raise UserError(f"{args.text}: file not found")
+      text, name = sources_lib.document_blocks(sources_lib.check_not_empty(args.text)), args.text
     else:
-      text, name = tasks.LMTask(cfg, args.workdir, log=lambda *_: None).val_text, "the validation split"
+      text, name = tasks.LMTask(cfg, args.workdir, log=lambda *_: None).val_blocks(), "the validation split"
     result = perplexity(model, params, tokenizer, text, cfg.data.block_size)
     print(f"{name}:\n{format_perplexity(result)}")
     return result

@@ -1,6 +1,7 @@
 """Prepare once: a corpus of any size -> tokenizer -> token shards on disk, in parallel, resumable.
 
     python -m jaxformer.prepare --config NAME [--workdir DIR] [data.num_proc=8 ...]
+    python -m jaxformer.prepare --config NAME [--workdir DIR] --verify   # sha256 of every shard file
 
 `train.py` calls `ensure_prepared` itself when the data is missing, so this command is only
 needed to prepare ahead of time (e.g. on a CPU machine before a long accelerator run).
@@ -389,9 +390,12 @@ class _Writer:
   from which input position the split still needs documents.
   """
 
-  def __init__(self, data_dir, split, fields, dtype, shard_tokens, keep_text):
+  def __init__(self, data_dir, split, fields, dtype, shard_tokens, keep_text, one_document=False, bos=None):
     self.data_dir, self.split, self.fields = data_dir, split, fields
     self.dtype, self.shard_tokens, self.keep_text = np.dtype(dtype), shard_tokens, keep_text
+    # one_document: the records are consecutive pieces of one document (a one-file corpus read in
+    # blocks), joined into one document of one shard; `bos` (data.add_bos) then starts it.
+    self.one_document, self.bos = one_document, bos
     os.makedirs(os.path.join(data_dir, split), exist_ok=True)
     self.markers = self._complete_shards()
     self.skip_below = self.markers[-1]["end"] if self.markers else 0
@@ -433,6 +437,12 @@ class _Writer:
     self.docs, self.stem = 0, stem
     for f in self.fields:
       self._write(shards.offsets_path(stem, f), np.zeros(1, np.int64).tobytes())
+    if self.one_document:
+      self.docs = 1
+      if self.bos is not None:
+        for f in self.fields:
+          self._write(shards.token_path(stem, f), np.array([self.bos], self.dtype).tobytes())
+          self.counts[f] += 1
 
   def _write(self, path, data):
     f, h = self.files[path]
@@ -450,6 +460,16 @@ class _Writer:
     starts = [np.concatenate([[0], np.cumsum(lengths)]) for _, lengths in columns]
     sizes = sum(lengths for _, lengths in columns)
     i, n = 0, len(positions)
+    if self.one_document and n:  # pieces of the one document: tokens only, its offsets at close
+      if self.files is None:
+        self._open()
+      for f, (ids, _) in zip(self.fields, columns):
+        self._write(shards.token_path(self.stem, f), ids.tobytes())
+        self.counts[f] += len(ids)
+      if texts is not None:
+        self._write(shards.text_path(self.stem), "".join(texts).encode("utf-8"))
+      self.end = int(positions[-1]) + 1
+      return
     while i < n:
       if self.files is None:
         self._open()
@@ -474,6 +494,9 @@ class _Writer:
     """Completes the open shard, if any: flush, rename, then its marker."""
     if self.files is None:
       return
+    if self.one_document:
+      for f in self.fields:
+        self._write(shards.offsets_path(self.stem, f), np.array([self.counts[f]], np.int64).tobytes())
     sizes, hashes = {}, {}
     for path, (f, h) in self.files.items():
       f.flush()
@@ -571,8 +594,12 @@ def prepare(cfg, workdir, log=print, source=None):
     else:
       _atomic_json(os.path.join(ddir, shards.MANIFEST), {**header, "complete": False})
     splits = sorted({s for name, _ in streams for s in source.feeds[name]})
+    one = getattr(source, "one_document", False)
     writers = {s: _Writer(ddir, s, source.fields, header["dtype"], d.shard_tokens,
-                          keep_text=d.task == "lm" and s == "val") for s in splits}
+                          keep_text=d.task == "lm" and s == "val", one_document=one, bos=spec["bos"] if one else None)
+               for s in splits}
+    if one:  # the writer starts the one document with BOS; its pieces get none
+      spec = {**spec, "bos": None}
     if any(w.markers for w in writers.values()):
       log(f"prepare: resuming {ddir} after {sum(len(w.markers) for w in writers.values())} complete shards")
     t, stats = time.perf_counter(), {"chars": 0, "tokens": 0, "logged": time.perf_counter()}
@@ -641,6 +668,8 @@ def parse_args(argv):
   parser.add_argument("--config", default="default", help="recipe name in configs/ or a path to a .py file")
   parser.add_argument("--workdir", default=None,
                       help="run directory (default: runs/<config>); the shards go to data.data_dir, default WORKDIR/data")
+  parser.add_argument("--verify", action="store_true",
+                      help="check the sha256 of every prepared shard file against the manifest (prepares nothing)")
   parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.num_proc=8")
   return parser.parse_intermixed_args(argv)  # overrides before, between or after flags
 
@@ -651,6 +680,11 @@ def main(argv):
   args = parse_args(argv)
   cfg = config_lib.load_config(args.config, args.overrides)
   workdir = args.workdir or os.path.join("runs", cfg.name)
+  if args.verify:
+    ddir = data_dir(cfg, workdir)
+    checked = shards.verify(ddir, log=lambda line: print(f"{ddir}: {line}"))
+    print(f"{ddir}: the sha256 of all {checked} shard files match the manifest")
+    return shards.read_manifest(ddir)
   manifest = ensure_prepared(cfg, workdir)
   print(f"{data_dir(cfg, workdir)}: {describe(manifest)}")
   return manifest

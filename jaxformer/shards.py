@@ -16,8 +16,12 @@ shard k of a split stores, for each field (`text`, or `src` and `tgt`):
 Documents never straddle shards. Readers present a split as one virtual array and read only
 what a batch needs: token rows with positional reads (`os.pread`), document offsets through
 memory maps (binary searches touch a few pages). Memory does not grow with the corpus.
+A reader checks every file's size against the manifest when it is made (`check_sizes`), opens a
+shard's files on first use (at most MAX_OPEN shards at a time) and closes them with `close()`;
+`verify` checks the sha256 of every file (`python -m jaxformer.prepare --verify`).
 """
 
+import hashlib
 import json
 import mmap
 import os
@@ -68,6 +72,73 @@ def read_manifest(data_dir):
 
 # Rows read between releases of the mapped offset pages (see `_Shards._release`).
 RELEASE_ROWS = 256
+# Shards of one reader open at a time (a file descriptor for the tokens, one inside the offsets'
+# memory map): the least recently opened closes first, so a corpus of thousands of shards stays
+# far below the open-file limit (`ulimit -n`, often 1,024).
+MAX_OPEN = 64
+
+PREPARE_AGAIN = "run python -m jaxformer.prepare --config NAME again"
+
+
+def _damaged(data_dir, split, index, what):
+  """The one-line error for a damaged shard: what is wrong and how to prepare it again."""
+  stem = shard_stem(data_dir, split, index)
+  return UserError(f"{what}: the prepared data in {data_dir} is damaged; delete {marker_path(stem)} and "
+                   f"{os.path.join(data_dir, MANIFEST)}, then {PREPARE_AGAIN} (it keeps the shards before "
+                   f"shard {index} of {split} and writes the rest anew)")
+
+
+def check_sizes(data_dir, manifest, split):
+  """A one-line error when a file of a shard of `split` is missing or not the size its marker
+  recorded (one stat per file: a truncated or deleted shard fails here, not deep inside training)."""
+  for index, info in enumerate(manifest["splits"][split]["shards"]):
+    for name, size in info.get("bytes", {}).items():
+      path = os.path.join(data_dir, split, name)
+      try:
+        actual = os.stat(path).st_size
+      except FileNotFoundError:
+        raise _damaged(data_dir, split, index, f"{path} is missing") from None
+      if actual != size:
+        raise _damaged(data_dir, split, index, f"{path} has {actual:,} bytes, its manifest says {size:,}")
+
+
+def verify(data_dir, log=print):
+  """Checks the sha256 of every shard file against the manifest (reads all of them: `prepare --verify`).
+  Returns the number of files checked; a mismatch is a one-line error naming the first damaged shard."""
+  manifest = read_manifest(data_dir)
+  if manifest is None or not manifest.get("complete"):
+    raise UserError(f"{data_dir} holds no complete prepared data: {PREPARE_AGAIN}")
+  checked = 0
+  for split in manifest["splits"]:
+    check_sizes(data_dir, manifest, split)
+    for index, info in enumerate(manifest["splits"][split]["shards"]):
+      for name, digest in info["sha256"].items():
+        h = hashlib.sha256()
+        with open(os.path.join(data_dir, split, name), "rb") as f:
+          for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+        if h.hexdigest() != digest:
+          raise _damaged(data_dir, split, index, f"{os.path.join(data_dir, split, name)} has sha256 "
+                         f"{h.hexdigest()[:12]}, its manifest says {digest[:12]}")
+        checked += 1
+    log(f"{split}: {len(manifest['splits'][split]['shards'])} shards verified")
+  return checked
+
+
+class _Offsets:
+  """The document offsets of a reader's shards as a list-like: `offsets[k]` maps shard k's on use."""
+
+  def __init__(self, shards):
+    self._shards = shards
+
+  def __len__(self):
+    return len(self._shards.paths)
+
+  def __getitem__(self, k):
+    return self._shards._open(k)[1]
+
+  def __iter__(self):
+    return (self[k] for k in range(len(self)))
 
 
 class _Shards:
@@ -78,6 +149,9 @@ class _Shards:
   grow the process's RSS towards the size of the corpus (measured: +800 MiB after 3,000
   windows of a 2 GB corpus, and 12 us per window against 6 us for a positional read;
   nanoGPT re-creates its np.memmap every batch for the same reason).
+
+  A shard's files open on first use, at most MAX_OPEN shards at a time; `close()` (or `with`)
+  closes them all, and a closed reader reopens on the next read.
   """
 
   def __init__(self, data_dir, split, field, manifest=None):
@@ -86,15 +160,16 @@ class _Shards:
       raise UserError(f"{data_dir} holds no prepared data: run python -m jaxformer.prepare --config NAME")
     if split not in manifest["splits"]:
       raise UserError(f"{data_dir} has no {split} split (it has {', '.join(manifest['splits'])})")
+    check_sizes(data_dir, manifest, split)
     self.dtype = np.dtype(manifest["dtype"])
-    self.paths, self.offsets, self._offset_maps, self._fds = [], [], [], []
+    self.paths, self._offset_paths, self._docs = [], [], []
+    self._open_shards = {}  # shard -> (fd, plain view of the offsets, np.memmap), in the order opened
+    self.offsets = _Offsets(self)
     token_counts, doc_counts = [], []
     for index, info in enumerate(manifest["splits"][split]["shards"]):
       stem = shard_stem(data_dir, split, index)
       self.paths.append(token_path(stem, field))
-      self._fds.append(os.open(self.paths[-1], os.O_RDONLY))
-      self._offset_maps.append(np.memmap(offsets_path(stem, field), np.int64, "r", shape=(info["docs"] + 1,)))
-      self.offsets.append(self._offset_maps[-1].view(np.ndarray))  # plain views: no subclass cost per slice
+      self._offset_paths.append(offsets_path(stem, field))
       token_counts.append(info["tokens"][field])
       doc_counts.append(info["docs"])
     self.token_counts = token_counts
@@ -104,14 +179,46 @@ class _Shards:
     self.num_docs = int(self.doc_starts[-1])
     self._touched, self._rows_read = set(), 0
 
+  def _open(self, k):
+    """(fd, offsets [docs + 1] int64, memmap) of shard k, opening it (and closing the oldest) if needed."""
+    entry = self._open_shards.get(k)
+    if entry is None:
+      while len(self._open_shards) >= MAX_OPEN:
+        self._close_shard(next(iter(self._open_shards)))
+      offsets = np.memmap(self._offset_paths[k], np.int64, "r", shape=(int(self.doc_starts[k + 1] -
+                                                                            self.doc_starts[k]) + 1,))
+      fd = os.open(self.paths[k], os.O_RDONLY)
+      # A plain view: no subclass cost per slice.
+      entry = self._open_shards[k] = (fd, offsets.view(np.ndarray), offsets)
+    return entry
+
+  def _close_shard(self, k, _close=os.close):
+    fd, _, _ = self._open_shards.pop(k)
+    _close(fd)  # the map closes (and its descriptor with it) once no view of it is left
+    self._touched.discard(k)
+
+  def close(self):
+    """Closes every open shard file (a later read opens them again)."""
+    for k in list(getattr(self, "_open_shards", ())):
+      self._close_shard(k)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
   def __del__(self):
-    for fd in getattr(self, "_fds", ()):
-      os.close(fd)
+    # At interpreter exit module globals may already be None: `_close_shard` holds os.close itself.
+    try:
+      self.close()
+    except Exception:  # pylint: disable=broad-except  (a finalizer must not raise)
+      pass
 
   def _pread(self, k, start, stop):
     """Tokens [start, stop) of shard k (within it), in the file's dtype."""
     size = self.dtype.itemsize
-    return np.frombuffer(os.pread(self._fds[k], (stop - start) * size, start * size), self.dtype)
+    return np.frombuffer(os.pread(self._open(k)[0], (stop - start) * size, start * size), self.dtype)
 
   def _release(self, shards, rows):
     """Counts `rows` read from `shards`; every RELEASE_ROWS rows, drops this process's mappings of
@@ -121,7 +228,8 @@ class _Shards:
     self._rows_read += rows
     if self._rows_read >= RELEASE_ROWS:
       for k in self._touched:
-        self._offset_maps[k]._mmap.madvise(mmap.MADV_DONTNEED)  # np.memmap keeps its mmap.mmap there
+        if k in self._open_shards:
+          self._open_shards[k][2]._mmap.madvise(mmap.MADV_DONTNEED)  # np.memmap keeps its mmap.mmap there
       self._touched, self._rows_read = set(), 0
 
   def read(self, start, stop):

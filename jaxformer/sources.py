@@ -22,6 +22,7 @@ from jaxformer import synthetic
 from jaxformer.errors import UserError
 
 SEED = 0  # the document split and the tokenizer sample; not train.seed: prepared data outlives runs
+PIECE_BYTES = 1 << 20  # a one-file document is read, tokenized and written a piece of about this size at a time
 
 
 def local_file(key, path):
@@ -93,31 +94,58 @@ def _decode(raw, path, first_line):
     raise UserError(f"{path}:{line}: not valid UTF-8 (byte {e.start}); convert the file to UTF-8") from None
 
 
-def lines(path, block_size=1 << 20):
-  """Yields the lines of a text file as `data.read_lines` splits them (on "\n" only, a final
-  "\r" dropped, no BOM), reading and decoding a block of lines at a time."""
+def line_blocks(path, block_size=1 << 20, strip_bom=True):
+  """Yields (text, number of its first line) of a text file, decoded a block of whole lines at a time
+  (each block but the last ends in "\n"; the BOM dropped). Linear in the file whatever its line
+  lengths: a line longer than a block is gathered in a list and joined once."""
   with _open_binary(path) as f:
-    number, rest, first = 1, b"", True
+    number, pending, first = 1, [], strip_bom
     while True:
       block = f.read(block_size)
-      data = rest + block
-      cut = len(data) if not block else data.rfind(b"\n") + 1  # whole lines, the last one at the end
-      if not cut:
-        if not block:
+      if block:
+        cut = block.rfind(b"\n") + 1  # only the new block is searched
+        if not cut:
+          pending.append(block)
+          continue
+        data = b"".join([*pending, block[:cut]])
+        pending = [block[cut:]] if cut < len(block) else []
+      else:
+        data = b"".join(pending)
+        if not data:
           return
-        rest = data
-        continue
-      data, rest = data[:cut], data[cut:]
       text = _decode(data, path, number)
       if first:
         text, first = text.removeprefix("\ufeff"), False
-      parts = text.split("\n")
-      if parts[-1] == "":
-        parts.pop()
-      number += len(parts)
-      yield from (p.removesuffix("\r") for p in parts) if "\r" in text else parts
+      yield text, number
       if not block:
         return
+      number += text.count("\n")
+
+
+def lines(path, block_size=1 << 20):
+  """Yields the lines of a text file as `data.read_lines` splits them (on "\n" only, a final
+  "\r" dropped, no BOM), reading and decoding a block of lines at a time."""
+  for text, _ in line_blocks(path, block_size):
+    parts = text.split("\n")
+    if parts[-1] == "":
+      parts.pop()
+    yield from (p.removesuffix("\r") for p in parts) if "\r" in text else parts
+
+
+def _normalize_lines(text):
+  """Whole lines as `normalize_document` writes them: each ends in "\n", CRLF as LF (no BOM step)."""
+  parts = text.split("\n")
+  if parts[-1] == "":
+    parts.pop()
+  return "".join(p.removesuffix("\r") + "\n" for p in parts) if "\r" in text else "\n".join(parts) + "\n"
+
+
+def document_blocks(path, block_size=1 << 20):
+  """Yields a whole file as `normalize_document` gives it, a block of whole lines at a time: the
+  concatenation is the normalized document, and memory stays one block whatever the file's size."""
+  for text, _ in line_blocks(path, block_size):
+    if text:
+      yield _normalize_lines(text)
 
 
 def check_not_empty(path):
@@ -150,9 +178,8 @@ def file_documents(path, doc_per, text_field):
         yield _field(json.loads(line), text_field, f"{path}:{n}")
   elif doc_per == "line":
     yield from lines(path)
-  else:
-    with _open_binary(path) as f:
-      yield normalize_document(_decode(f.read(), path, 1))
+  else:  # joined once from blocks: no copy of the raw bytes, the decoded text and its lines at once
+    yield "".join(document_blocks(path))
 
 
 def _field(row, name, where):
@@ -187,6 +214,7 @@ class Source:
   def __init__(self, fields, fingerprint, description, open_fn, route, eos, feeds):
     self.fields, self.fingerprint, self.description = fields, fingerprint, description
     self.open, self.route, self.eos, self.feeds = open_fn, route, eos, feeds
+    self.one_document = False  # True: each split's records are consecutive pieces of one document
 
 
 def val_draws(train_fraction):
@@ -211,17 +239,21 @@ def make_source(cfg):
       raise UserError("data.source=local needs data.text_path for a language model")
     files = local_files("data.text_path", d.text_path)
     single = d.doc_per == "file" and len(files) == 1 and not _is_jsonl(files[0])
+    state = {"has_val": False}
 
     def open_fn():
       for path in files:
         check_not_empty(path)
 
       def records(start):
+        if single:  # one document, streamed as pieces (see `single_document_pieces`)
+          pieces = single_document_pieces(files[0], d.train_fraction, state, PIECE_BYTES)
+          return itertools.islice(pieces, start, None)
         docs = (doc for f in files for doc in file_documents(f, d.doc_per, d.text_field))
         return itertools.islice(((doc,) for doc in docs), start, None)
       return [("train", records)]
     what = files[0] if len(files) == 1 else f"{len(files)} files ({files[0]}, ...)"
-    return _lm_source(cfg, {"local": _stat(files)}, what, open_fn, single, {"has_val": False})
+    return _lm_source(cfg, {"local": _stat(files)}, what, open_fn, single, state, pieces=single)
   if d.source == "hub":
     data_files = local_files("data.hub_data_files", d.hub_data_files) if d.hub_data_files else None
     single = d.hub_name == "text" and d.doc_per == "file" and data_files is not None and len(data_files) == 1
@@ -250,23 +282,47 @@ def make_source(cfg):
   raise UserError(f"data.source={d.source!r}: a language model reads local or hub text")
 
 
-def _lm_source(cfg, fingerprint, description, open_fn, single, state):
+def single_document_pieces(path, train_fraction, state, block_size=1 << 20):
+  """Yields a one-file document (`normalize_document` of the file) as records of whole-line pieces of
+  about `block_size` bytes, cut also at the train/validation split point: character
+  int(total * train_fraction), as when the document was read whole. A first pass counts the
+  characters; memory stays one block whatever the file's size. Sets state["train_pieces"], the
+  number of pieces before the split point, which the source's route reads."""
+  total = sum(len(block) for block in document_blocks(path, block_size))
+  split, pos, count = int(total * train_fraction), 0, 0
+  state["train_pieces"] = None  # unknown until the split point: every piece before it trains
+  for block in document_blocks(path, block_size):
+    end = pos + len(block)
+    for part in [block[:split - pos], block[split - pos:]] if pos < split < end else [block]:
+      if state["train_pieces"] is None and pos >= split:
+        state["train_pieces"] = count
+      count, pos = count + 1, pos + len(part)
+      yield (part,)
+
+
+def _lm_source(cfg, fingerprint, description, open_fn, single, state, pieces=False):
   """A language-model Source: one document is split by characters (nanoGPT's Tiny Shakespeare:
   the first train_fraction of its characters train, the rest validate, no EOS); many documents
   each end in EOS and go to val with probability 1 - train_fraction, unless the source has a
-  validation split of its own."""
+  validation split of its own. `pieces`: the one document comes as consecutive pieces, split
+  already (`single_document_pieces`), which the shards join into one document per split."""
   fraction = cfg.data.train_fraction
   is_val = val_draws(fraction)
 
   def route(stream, i, record):
     if stream == "validation":
       return [("val", record)]
+    if pieces:
+      known = state["train_pieces"]
+      return [("train" if known is None or i < known else "val", record)]
     if single:
       n = int(len(record[0]) * fraction)
       return [("train", (record[0][:n],)), ("val", (record[0][n:],))]
     return [("val" if not state["has_val"] and is_val(i) else "train", record)]
   feeds = {"train": ("train", "val"), "validation": ("val",)}
-  return Source(("text",), fingerprint, description, open_fn, route, eos=not single, feeds=feeds)
+  source = Source(("text",), fingerprint, description, open_fn, route, eos=not single, feeds=feeds)
+  source.one_document = pieces
+  return source
 
 
 def _translation_source(cfg):

@@ -74,6 +74,12 @@ class TranslationTask:
     log(f"train: {self.train.steps_per_epoch:,} batches per epoch, shapes {self.train.shapes()}, "
         f"padding {100 * self.train.padding_fraction():.1f}%")
 
+  def close(self):
+    """Closes the token shards' files (they reopen on the next read)."""
+    for readers in self.ids.values():
+      for r in readers:
+        r.close()
+
   @property
   def splits(self):
     """The dev/test text, {"dev": (sources, references), ...}: read on first use (BLEU needs it)."""
@@ -145,12 +151,23 @@ class LMTask:
 
   @property
   def val_text(self):
-    """The validation documents' text, joined by newlines (eval.py's perplexity reads it)."""
-    parts = []
+    """The validation documents' text, joined by newlines."""
+    return "".join(self.val_blocks())
+
+  def val_blocks(self, block_size=1 << 20):
+    """The validation text (`val_text`) as consecutive blocks of whole lines, read a block at a time
+    (eval.py's perplexity: memory holds a block, whatever the split's size)."""
     for k in range(len(self._manifest["splits"]["val"]["shards"])):
-      with open(shards.text_path(shards.shard_stem(self.data_dir, "val", k)), encoding="utf-8") as f:
-        parts.append(f.read())
-    return "\n".join(parts)
+      if k:
+        yield "\n"
+      # No BOM step: the text is the documents' own, a leading U+FEFF included.
+      path = shards.text_path(shards.shard_stem(self.data_dir, "val", k))
+      yield from (text for text, _ in sources.line_blocks(path, block_size, strip_bom=False))
+
+  def close(self):
+    """Closes the token shards' files (they reopen on the next read)."""
+    self.train_stream.close()
+    self.val_stream.close()
 
   def _prepare(self, batch):
     if not self.cfg.data.use_segments:

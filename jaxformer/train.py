@@ -392,8 +392,16 @@ def _train_and_evaluate(cfg, workdir, log, lease):
   return result
 
 
-def sample_text(model, params, tokenizer, cfg, step, prompt="\n", max_new_tokens=200):
-  """A short sample from a decoder-only model (temperature 0.8, top-k 200, as nanoGPT samples)."""
+def sample_text(model, params, tokenizer, cfg, step, prompt=None, max_new_tokens=200):
+  """A short sample from a decoder-only model (temperature 0.8, top-k 200, as nanoGPT samples).
+
+  The default prompt is a newline (nanoGPT's), or BOS alone when the tokenizer cannot encode one
+  (a char vocabulary built with data.doc_per=line has no "\n")."""
+  if prompt is None:
+    try:
+      prompt = "\n" if tokenizer.encode("\n") else ""
+    except UserError:
+      prompt = ""
   ids = ([tokenizer.bos_id] if cfg.data.add_bos else []) + tokenizer.encode(prompt) or [tokenizer.bos_id]
   # Past a learned-position table the context slides (nanoGPT's crop); other positions grow the cache.
   tokens = decode.generate(model, params, [ids], max_new_tokens, jax.random.PRNGKey(step),

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxformer import config as config_lib
 from jaxformer import evaluate
 from jaxformer import generate
 from jaxformer import tasks
@@ -263,3 +264,60 @@ def test_cli_error_in_a_real_process(baseline):
   err = p.communicate(timeout=300)[1]
   assert p.returncode == 2 and err.startswith("error: checkpoint has params/") and err.count("\n") == 1, err
   assert snapshot(baseline) == before
+
+
+def test_ctrl_c_finishes_the_step_saves_and_exits_0(baseline, tmp_path):
+  """SIGINT (Ctrl-C in a terminal) as SIGTERM: the step finishes, a checkpoint of it is saved (the
+  parameters of the uninterrupted run at that step), exit 0 with how to resume; nothing is lost."""
+  workdir = tmp_path / "run"
+  rc, out, _ = interrupt(workdir, signal.SIGINT, 3)
+  m = re.search(r"SIGINT received: saved a checkpoint at step (\d+) .* Resume with the same command: python train\.py",
+                out)
+  assert rc == 0 and m and "Traceback" not in out and "KeyboardInterrupt" not in out, out
+  stopped = int(m.group(1))
+  assert 3 <= stopped < 12 and steps_on_disk(workdir)[-1] == stopped
+  assert not (workdir / "lease.json").exists()
+  logged = losses_by_step(workdir)
+  assert max(logged) == stopped and all(logged[s] == losses_by_step(baseline)[s] for s in logged)
+  if stopped in steps_on_disk(baseline):  # the same weights as the uninterrupted run at that step
+    want = jax.device_get(evaluate.load_run(str(baseline), step=stopped, log=lambda *a: None)[2])
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(params_of(workdir))):
+      np.testing.assert_array_equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def lm_run(tmp_path_factory):
+  """A 2-step gpt2_tiny run (a char LM) with its checkpoint at step 2."""
+  tmp = tmp_path_factory.mktemp("lm_run")
+  (tmp / "text.txt").write_text("the cat sat on the mat and ran to the big red house.\n" * 100)
+  cfg = config_lib.load_config("gpt2_tiny", [f"data.text_path={tmp / 'text.txt'}", "model.num_layers=1",
+                                             "train.num_steps=2", "train.checkpoint_every=2",
+                                             "train.eval_every=1000", "train.sample_every_eval=false"])
+  train.train_and_evaluate(cfg, str(tmp / "run"), log=lambda *a: None)
+  return tmp / "run"
+
+
+def test_generate_refuses_a_damaged_checkpoint(lm_run, tmp_path, capsys):
+  """`python -m jaxformer.generate` on a checkpoint whose params fail their checksums, or whose files
+  are cut short: one line naming it, exit 2, and no text generated from unverified numbers."""
+  generate.main(["--workdir", str(lm_run), "--prompt", "the", "--max-new-tokens", "4"])
+  assert capsys.readouterr().out.startswith("--- 'the'\nthe")  # the intact run generates
+  copy = tmp_path / "checksum"
+  shutil.copytree(lm_run, copy, ignore=shutil.ignore_patterns("tb"))
+  meta_path = copy / "checkpoints" / "2" / "meta" / "metadata"
+  meta = json.loads(meta_path.read_text())
+  name = sorted(k for k in meta["checksums"]["arrays"] if k.startswith("params/"))[0]
+  meta["checksums"]["arrays"][name] = "0" * 16  # as if that array had changed on disk
+  meta_path.write_text(json.dumps(meta))
+  cut = tmp_path / "truncated"
+  shutil.copytree(lm_run, cut, ignore=shutil.ignore_patterns("tb"))
+  files = [p for p in (cut / "checkpoints" / "2").rglob("*") if p.is_file() and "meta" not in p.parts]
+  biggest = max(files, key=lambda p: p.stat().st_size)  # the arrays' data
+  os.truncate(biggest, biggest.stat().st_size // 2)
+  for workdir, why in ((copy, f"{name} does not match its checksum"), (cut, "")):
+    with pytest.raises(SystemExit) as exit_info:
+      generate.main(["--workdir", str(workdir), "--prompt", "the", "--max-new-tokens", "4"])
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2 and captured.out == "", captured.out
+    assert re.fullmatch(rf"error: checkpoint {workdir}/checkpoints/2 is damaged: .*{re.escape(why)}.*\n", captured.err,
+                        re.S) and captured.err.count("\n") == 1, captured.err

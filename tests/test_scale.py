@@ -107,7 +107,15 @@ def test_convert_layers_round_trip_on_a_train_state():
   state = {"params": params, "opt_state": tx.init(params)}
   stacked = convert_layers(state, True)
   assert stacked["opt_state"][-1][0].mu["decoder"]["layers"]["ffn"]["wo"]["kernel"].shape[0] == 2
-  assert convert_layers(stacked, True) is not None  # already scanned: unchanged
+  again = convert_layers(stacked, True)  # already scanned: unchanged
+  assert jax.tree.structure(again) == jax.tree.structure(stacked)
+  assert_trees_close(again, stacked, rtol=0, atol=0)
+  # The stack holds layer i at index i, in the parameters and in Adam's moments alike.
+  moments = stacked["opt_state"][-1][0].mu, state["opt_state"][-1][0].mu
+  for tree, flat in ((stacked["params"], state["params"]), moments):
+    kernel = tree["decoder"]["layers"]["ffn"]["wo"]["kernel"]
+    for i in range(2):
+      np.testing.assert_array_equal(kernel[i], flat["decoder"][f"layer_{i}"]["ffn"]["wo"]["kernel"])
   assert_trees_close(convert_layers(convert_layers(stacked, True), False), state, rtol=0, atol=0)
   assert jax.tree.structure(convert_layers(stacked, False)) == jax.tree.structure(state)
 
