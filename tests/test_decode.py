@@ -318,7 +318,7 @@ def test_sampling_past_the_learned_table_follows_nanogpt_crop():
 
 def test_sliding_window_eos_long_prompts_and_right_padded_input():
   # A tiny table (16): prompts longer than it (cropped before the first token), EOS per row.
-  model, params = _setup("gpt2_tiny", ("model.max_len=16",), seed=3)
+  model, params = _setup("gpt2_tiny", ("model.max_len=16", "data.block_size=16"), seed=3)
   prompts = [[5, 17, 3], list(range(3, 23)), [11, 12]]      # widths 3, 20 (> 16), 2
   n, eos = 60, 38
   want = _nanogpt_reference(model, params, prompts, n, 16, eos_id=eos)
@@ -347,14 +347,14 @@ def test_rope_grows_the_cache_past_max_len_up_to_the_limit():
 
 
 def test_prefix_cache_past_the_table_is_an_error_and_generate_text_prepends_it():
-  model, params = _setup("gpt2_tiny", ("model.max_len=16",))
+  model, params = _setup("gpt2_tiny", ("model.max_len=16", "data.block_size=16"))
   prefix, n = [20, 21, 22, 23, 24], 10
   cache = decode.prefill_prefix(model, params, prefix, batch=len(PROMPTS), max_len=5 + 7 + n - 1)
   with pytest.raises(UserError, match="prefix cache cannot slide past the 16-position table"):
     decode.generate(model, params, PROMPTS, n, jax.random.key(0), prefix_cache=cache)
   # generate_text puts the prefix in each prompt instead, and says once that the context slides.
   tokenizer = CharTokenizer("abcdefghijklmnopqrstuvwxyz")
-  cfg = load_config("gpt2_tiny", ["model.max_len=16"])
+  cfg = load_config("gpt2_tiny", ["model.max_len=16", "data.block_size=16"])
   notes = []
   text = generate.generate_text(model, params, tokenizer, cfg, ["ab", "hello"], n, temperature=0, prefix="xyz",
                                 stop_at_eos=False, log=notes.append)

@@ -452,7 +452,7 @@ def test_sample_text_runs_past_the_position_table():
       return super().decode(ids)
 
   tokenizer = Recording("abcdefghijklmnopqrstuvwxyz .\n")
-  cfg = load_config("gpt2_tiny", ["model.max_len=16", f"model.vocab_size={tokenizer.vocab_size}"])
+  cfg = load_config("gpt2_tiny", ["model.max_len=16", "data.block_size=16", f"model.vocab_size={tokenizer.vocab_size}"])
   model = model_lib.build_model(cfg.model)
   params = jax.jit(model.init)(jax.random.key(0), jnp.ones((1, 8), jnp.int32))["params"]
   text = train.sample_text(model, params, tokenizer, cfg, step=1, prompt="the ", max_new_tokens=60)
