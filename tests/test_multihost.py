@@ -142,3 +142,29 @@ def test_c_d_resume_with_another_process_count_and_every_loss_matches_one_proces
   for run in ("a", "b", "c", "d"):
     got = chain[run]["losses"]
     np.testing.assert_allclose([got[s] for s in sorted(got)], [ref[s] for s in sorted(got)], rtol=2e-5, err_msg=run)
+
+
+@pytest.mark.slow
+def test_a_user_error_on_process_0_during_setup_stops_every_process(tmp_path, compilation_cache):
+  """Process 0 prepares the data first; its error reaches the others instead of leaving them at a barrier."""
+  missing = str(tmp_path / "no-such-text.txt")
+  job = harness.launch(2, ["--config", "gpt2_tiny", "--workdir", str(tmp_path / "run"), f"data.text_path={missing}"],
+                       str(tmp_path / "logs"), env={"JAX_COMPILATION_CACHE_DIR": compilation_cache}, timeout=120)
+  assert job.wait() == [2, 2], job.logs()
+  first = [line for line in job.log(0).splitlines() if line.startswith("error: ")]
+  other = [line for line in job.log(1).splitlines() if line.startswith("error: ")]
+  assert len(first) == 1 and missing in first[0], job.logs()
+  assert other == [f"error: process 0 failed while preparing the data: {first[0][len('error: '):]}"], job.logs()
+
+
+def test_url_workdirs_are_refused_in_one_line(tmp_path, monkeypatch):
+  from jaxformer import config as config_lib
+  from jaxformer import train
+  from jaxformer.errors import UserError
+  monkeypatch.chdir(tmp_path)
+  cfg = config_lib.load_config("gpt2_tiny")
+  for name, workdir, overrides in (("--workdir", "gs://bucket/run", ()),
+                                   ("train.init_from", "run", ("train.init_from=file:///tmp/x",))):
+    with pytest.raises(UserError, match=rf"^{re.escape(name)}=\S+ is a URL: .*shared filesystem .*GCS FUSE"):
+      train.train_and_evaluate(config_lib.replace(cfg, **dict(o.split("=", 1) for o in overrides)), workdir)
+  assert os.listdir(tmp_path) == []  # no local folder named gs: (or anything else)
