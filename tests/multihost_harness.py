@@ -125,3 +125,13 @@ def launch(n, args, logdir, devices=2, timeout=300, env=None, audit=False, multi
 def losses(log):
   """{step: loss} from the progress lines of a log."""
   return {int(m[1]): float(m[2]) for m in re.finditer(r"^step (\d+)/\d+ \| loss ([-+.\deE]+|nan|inf)", log, re.M)}
+
+
+def metrics_losses(workdir, skip=0):
+  """({step: loss} at full precision, line count) from `<workdir>/metrics.jsonl` past its first
+  `skip` lines (the file is appended to by each run of a workdir)."""
+  import json  # pylint: disable=g-import-not-at-top
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    lines = f.readlines()
+  records = [json.loads(line) for line in lines[skip:]]
+  return {r["step"]: r["loss"] for r in records if "loss" in r}, len(lines)
