@@ -8,6 +8,7 @@ nothing here knows about the training loop.
 import atexit
 import ctypes
 import os
+import signal
 import sys
 import threading
 import time
@@ -98,6 +99,25 @@ def maybe_initialize_distributed(multihost=False, host_timeout_s=30):
     LOST_PROCESS["timeout_s"] = host_timeout_s
     _watch_peers(host_timeout_s)
   return True
+
+
+def c_signal_handler(signum):
+  """The C function a library (not Python) installed for `signum`, callable from Python, or None.
+
+  JAX's preemption notifier catches SIGTERM with a plain C handler; the training loop's own
+  Python handler replaces it and calls it on, so both learn of the signal (Linux/glibc: the
+  handler is the first field of `struct sigaction`)."""
+  if signal.getsignal(signum) is not None:  # Python's, SIG_DFL or SIG_IGN
+    return None
+  try:
+    libc = ctypes.CDLL(None, use_errno=True)
+  except OSError:
+    return None
+  action = ctypes.create_string_buffer(512)  # more than any struct sigaction
+  if libc.sigaction(signum, None, action) != 0:
+    return None
+  pointer = ctypes.c_void_p.from_buffer(action).value
+  return ctypes.CFUNCTYPE(None, ctypes.c_int)(pointer) if pointer and pointer > 1 else None
 
 
 def await_lost_process():

@@ -128,16 +128,19 @@ class _StopFlag:
   """SIGTERM/SIGINT set a flag; the loop finishes its step, saves, and exits cleanly.
 
   `signal` is the decision to stop. On one process a signal decides at once. In a multi-host
-  job SIGTERM is left to JAX's preemption notifier (`multihost_utils.reached_preemption_sync_point`
-  agrees on a step), and SIGINT is only `received` here until the loop's next log step, where
-  all processes agree on it (`_agreed_stops`): hosts are signalled at different moments.
+  job a signal is only `received` here, and all processes agree on it at the loop's next log
+  step (`_agreed_stops`): hosts are signalled at different moments. SIGTERM is also passed on to
+  JAX's preemption notifier, whose sync point (`multihost_utils.reached_preemption_sync_point`)
+  stops all processes sooner, at one step (it misses a notice that comes before the loop's first
+  check: the log step still catches that one).
   """
 
   def __init__(self, agree=False):
     self.signal = self.received = None
     self._agree = agree
+    self._jax_notifier = runtime.c_signal_handler(signal.SIGTERM) if agree else None
     self._old = {}
-    for sig in (signal.SIGINT,) if agree else (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT):
       self._old[sig] = signal.signal(sig, self._handle)
 
   def _handle(self, signum, frame):
@@ -146,10 +149,12 @@ class _StopFlag:
     self.received = signal.Signals(signum).name
     if not self._agree:
       self.signal = self.received
+    elif signum == signal.SIGTERM and self._jax_notifier is not None:
+      self._jax_notifier(signum)
 
   def restore(self):
     for sig, handler in self._old.items():
-      signal.signal(sig, handler)
+      signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: a C handler (JAX's)
 
 
 def setup(cfg, workdir, log=print):
@@ -265,10 +270,11 @@ def _agreed_stops(stop, timed_out, lease):
   lost = lease.lost if lease is not None else None
   if jax.process_count() == 1:
     return stop.signal, timed_out, lost
-  every = np.asarray(multihost_utils.process_allgather(
-      np.int32([stop.received is not None, timed_out, lost is not None])))
+  received = int(signal.Signals[stop.received]) if stop.received else 0
+  every = np.asarray(multihost_utils.process_allgather(np.int32([received, timed_out, lost is not None])))
   if every[:, 0].any() and stop.signal is None:
-    stop.signal = f"{stop.received or 'SIGINT'} (on process {int(np.argmax(every[:, 0]))})"
+    first = int(np.argmax(every[:, 0] > 0))
+    stop.signal = f"{signal.Signals(int(every[first, 0])).name} (on process {first})"
   if every[:, 2].any():
     lost = lost or "process 0 lost the workdir lease to another run"
   return stop.signal, bool(every[:, 1].any()), lost
