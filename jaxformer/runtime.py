@@ -107,7 +107,7 @@ def c_signal_handler(signum):
   JAX's preemption notifier catches SIGTERM with a plain C handler; the training loop's own
   Python handler replaces it and calls it on, so both learn of the signal (Linux/glibc: the
   handler is the first field of `struct sigaction`)."""
-  if signal.getsignal(signum) is not None:  # Python's, SIG_DFL or SIG_IGN
+  if callable(signal.getsignal(signum)):  # Python's own (getsignal does not see a C library's)
     return None
   try:
     libc = ctypes.CDLL(None, use_errno=True)

@@ -236,9 +236,14 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
     error = UserError(f"cannot write to workdir {workdir}: {e.strerror}")
   agree_error(error, "opening the workdir")
   lease = _take_lease(cfg, workdir, log)
+  # Multi-host: signals are caught from here on, so a preemption notice during set-up is not lost
+  # (JAX's notifier would swallow it before the loop's first sync-point check).
+  early_stop = _StopFlag(agree=True) if jax.process_count() > 1 else None
   try:
-    return _train_and_evaluate(cfg, workdir, log, lease)
+    return _train_and_evaluate(cfg, workdir, log, lease, early_stop)
   finally:
+    if early_stop is not None:
+      early_stop.restore()
     if lease is not None:
       lease.release()
 
@@ -312,7 +317,7 @@ def _poisoned_message(in_row, step, limit, ckpt):
           f"the state or the data is poisoned; {where}")
 
 
-def _train_and_evaluate(cfg, workdir, log, lease):
+def _train_and_evaluate(cfg, workdir, log, lease, early_stop=None):
   compiles_before = len(runtime.COMPILES)
   is_main = jax.process_index() == 0
   if not is_main:
@@ -358,7 +363,7 @@ def _train_and_evaluate(cfg, workdir, log, lease):
   tokenizer_hash = evaluate_lib.file_sha256(task.tokenizer_path)
   step = int(state["step"])
   multi = jax.process_count() > 1
-  stop = _StopFlag(agree=multi)
+  stop = early_stop or _StopFlag()
   runtime.LOST_PROCESS["where"] = lambda: _last_complete(ckpt.directory)
   pending, tokens_since, flops_since, steps_since, t_last = [], 0, 0.0, 0, time.time()
   peak = runtime.peak_flops(cfg, log)
@@ -466,7 +471,8 @@ def _train_and_evaluate(cfg, workdir, log, lease):
     raise UserError(f"no space left on {checkpoint_lib.filesystem_of(e.filename or workdir)} while writing "
                     f"{e.filename or 'to the workdir'} at step {step}; {ckpt.last_complete_phrase()}") from e
   finally:
-    stop.restore()
+    if stop is not early_stop:
+      stop.restore()
     try:
       ckpt.close()
     finally:
