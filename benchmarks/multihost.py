@@ -30,12 +30,15 @@ def main(argv=None):
   parser.add_argument("--kill", type=int, default=None, help="kill -9 this process at --at-step")
   parser.add_argument("--sigterm", type=int, default=None, help="SIGTERM this process at --at-step")
   parser.add_argument("--at-step", type=int, default=None, help="when process 0 has logged this step")
+  parser.add_argument("--at-line", default=None, help="or when process 0 has logged a line matching this regex "
+                      "(e.g. '^resumed from': during set-up)")
   parser.add_argument("train_args", nargs="+", help="train.py's arguments (after --)")
   args = parser.parse_args(argv)
   job = harness.launch(args.processes, args.train_args, args.logdir, devices=args.devices, timeout=args.timeout)
   t0 = time.time()
-  if args.at_step is not None and (args.kill is not None or args.sigterm is not None):
-    job.wait_for(rf"^step {args.at_step}/")
+  at = args.at_line or (rf"^step {args.at_step}/" if args.at_step is not None else None)
+  if at is not None and (args.kill is not None or args.sigterm is not None):
+    job.wait_for(at)
     t0 = time.time()
     if args.kill is not None:
       job.procs[args.kill].kill()
@@ -46,6 +49,7 @@ def main(argv=None):
   progress = re.findall(r"^step \d+/\d+ \|.*$", log, re.M)
   errors = [line for line in log.splitlines() if line.startswith("error:")]
   print(f"exit codes {codes}; {time.time() - t0:.1f} s from start/kill/signal to the last exit")
+  print("\n".join(re.findall(r"^.* received: saved a checkpoint at step \d+", log, re.M)))
   print("last progress: " + (progress[-1] if progress else "(none)"))
   for line in errors:
     print(line)
