@@ -348,6 +348,8 @@ def _validate(cfg):
     raise UserError(f"train.max_skipped_steps={cfg.train.max_skipped_steps} must be 0 (never stop) or more")
   if cfg.train.lease_timeout_s <= 0:
     raise UserError(f"train.lease_timeout_s={cfg.train.lease_timeout_s:g} must be positive (seconds)")
+  if cfg.train.host_timeout_s < 2:  # the peer watch beats once a second
+    raise UserError(f"train.host_timeout_s={cfg.train.host_timeout_s} must be at least 2 (seconds)")
 
 
 def to_dict(cfg):
