@@ -130,7 +130,7 @@ def await_lost_process():
 
 # What the dead-peer line says about the run: the training loop sets "where" to a function
 # returning where its last complete checkpoint is, read from the disk at that moment.
-LOST_PROCESS = {"where": lambda: "no checkpoint is known yet"}
+LOST_PROCESS = {"where": lambda: "no checkpoint is known yet", "exit": "failed"}
 
 
 def _watch_peers(timeout_s, period_s=1.0):
@@ -140,7 +140,8 @@ def _watch_peers(timeout_s, period_s=1.0):
   service if it stops answering. Then it prints one line naming the lost process and the last
   complete checkpoint and exits at once (code 3): the job cannot go on, and the main thread may
   be blocked in a collective that will never complete. A process that ends normally says so
-  first (atexit), so its silence is not a death. Nothing of it runs in the training loop."""
+  first (atexit: "done", or "failed" unless the command set LOST_PROCESS["exit"] = "done"), so
+  its silence is not a death. Nothing of it runs in the training loop."""
   from jax._src import distributed  # pylint: disable=g-import-not-at-top
   client, me, n = distributed.global_state.client, jax.process_index(), jax.process_count()
   key = lambda i: f"jaxformer/alive/{i}"
@@ -172,6 +173,8 @@ def _watch_peers(timeout_s, period_s=1.0):
             del seen[i]
           elif now != value:
             seen[i] = (now, time.monotonic())
+          elif time.monotonic() - since > timeout_s and now == "failed":  # and this one did not follow
+            lost(f"process {i} of {n} stopped with an error {timeout_s:g} s ago (its log says which)")
           elif time.monotonic() - since > timeout_s:
             lost(f"process {i} of {n} has not been heard from for {timeout_s:g} s (train.host_timeout_s): "
                  "it died or its host was lost")
@@ -181,7 +184,7 @@ def _watch_peers(timeout_s, period_s=1.0):
 
   def done():
     try:
-      client.key_value_set(key(me), "done", allow_overwrite=True)
+      client.key_value_set(key(me), LOST_PROCESS["exit"], allow_overwrite=True)
     except Exception:  # pylint: disable=broad-except
       pass
 

@@ -615,6 +615,7 @@ def main(argv):
   if jax.process_index() == 0:
     print(f"config {cfg.name} -> {workdir}\n{config_lib.to_json(cfg)}", flush=True)
   result = train_and_evaluate(cfg, workdir)
+  runtime.LOST_PROCESS["exit"] = "done"  # the other processes may outlive this one without alarm
   return result
 
 
