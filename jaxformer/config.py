@@ -154,6 +154,7 @@ class TrainConfig:
   nan_policy: str = "skip"          # skip | stop
   max_skipped_steps: int = 10       # stop after this many skipped (non-finite) steps in a row; 0 = never
   lease_timeout_s: float = 300.0    # a workdir lease held from another host is stale when not refreshed for this long
+  host_timeout_s: int = 30          # multi-host: a process silent this long is dead, and the others stop
   steps_per_call: int = 1           # lm: steps fused into one jitted lax.scan (same result, less per-call cost)
   max_minutes: float = 0.0          # stop (with a checkpoint) after this much training time; 0 = no limit
   sample_every_eval: bool = True    # lm: print a sample at eval time
@@ -365,6 +366,8 @@ def _validate(cfg):
   if o.optimizer == "adam" and o.weight_decay:
     raise UserError(f"optim.weight_decay={o.weight_decay:g} needs optim.optimizer=adamw (Adam has no decoupled "
                     "weight decay): set optim.optimizer=adamw or optim.weight_decay=0")
+  if cfg.train.host_timeout_s < 2:  # the peer watch beats once a second
+    raise UserError(f"train.host_timeout_s={cfg.train.host_timeout_s} must be at least 2 (seconds)")
 
 
 def _validate_types(cfg):

@@ -125,22 +125,36 @@ def init_state(model, tx, init_inputs, rng):
 
 
 class _StopFlag:
-  """SIGTERM/SIGINT set a flag; the loop finishes its step, saves, and exits cleanly."""
+  """SIGTERM/SIGINT set a flag; the loop finishes its step, saves, and exits cleanly.
 
-  def __init__(self):
-    self.signal = None
+  `signal` is the decision to stop. On one process a signal decides at once. In a multi-host
+  job a signal is only `received` here, and all processes agree on it at the loop's next log
+  step (`_agreed_stops`): hosts are signalled at different moments. SIGTERM is also passed on to
+  JAX's preemption notifier, whose sync point (`multihost_utils.reached_preemption_sync_point`)
+  stops all processes sooner, at one step (it misses a notice that comes before the loop's first
+  check: the log step still catches that one).
+  """
+
+  def __init__(self, agree=False):
+    self.signal = self.received = None
+    self._agree = agree
+    self._jax_notifier = runtime.c_signal_handler(signal.SIGTERM) if agree else None
     self._old = {}
     for sig in (signal.SIGTERM, signal.SIGINT):
       self._old[sig] = signal.signal(sig, self._handle)
 
   def _handle(self, signum, frame):
-    if self.signal is not None:  # A second Ctrl-C means "now".
+    if self.received is not None:  # A second Ctrl-C means "now".
       raise KeyboardInterrupt
-    self.signal = signal.Signals(signum).name
+    self.received = signal.Signals(signum).name
+    if not self._agree:
+      self.signal = self.received
+    elif signum == signal.SIGTERM and self._jax_notifier is not None:
+      self._jax_notifier(signum)
 
   def restore(self):
     for sig, handler in self._old.items():
-      signal.signal(sig, handler)
+      signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: a C handler (JAX's)
 
 
 def setup(cfg, workdir, log=print):
@@ -148,13 +162,19 @@ def setup(cfg, workdir, log=print):
   mesh = sharding.make_mesh(cfg.mesh)
   data_parallel = mesh.shape["data"] * mesh.shape["fsdp"]
   # Multi-host: process 0 trains the tokenizer and prepares the data (on first use) before
-  # the others read them (a shared workdir would otherwise see concurrent writes).
-  if jax.process_index() > 0:
-    multihost_utils.sync_global_devices("jaxformer.setup")
-  task = tasks.make_task(cfg, workdir, batch_multiple=data_parallel, log=log,
-                         part=sharding.batch_part(sharding.batch_sharding(mesh)))  # read only this process's rows
-  if jax.process_count() > 1 and jax.process_index() == 0:
-    multihost_utils.sync_global_devices("jaxformer.setup")
+  # the others read them (a shared workdir would otherwise see concurrent writes). Each
+  # stage ends with all processes learning whether any failed, so all stop together.
+  make_task = lambda: tasks.make_task(cfg, workdir, batch_multiple=data_parallel, log=log,
+                                      part=sharding.batch_part(sharding.batch_sharding(mesh)))  # only its rows
+  task = None
+  for stage in ("first", "others") if jax.process_count() > 1 else ("first",):
+    error = None
+    if (stage == "first") == (jax.process_index() == 0):
+      try:
+        task = make_task()
+      except Exception as e:  # pylint: disable=broad-except
+        error = e
+    agree_error(error, "preparing the data")
   model = model_lib.build_model(cfg.model)
   tx, schedule = optim.build_optimizer(cfg)
   example = task.train_batch(0)
@@ -166,23 +186,64 @@ def setup(cfg, workdir, log=print):
   return mesh, task, model, tx, schedule, init_fn, rng, abstract, state_sharding
 
 
+def agree_error(error, what):
+  """Multi-host: every process learns whether any failed at this point (one small allgather),
+  and raises: the failed one its own error, the others a UserError naming it. On one process,
+  raises `error` if there is one. So a user error on one host never leaves the others waiting
+  in a collective."""
+  if jax.process_count() == 1:
+    if error is not None:
+      raise error
+    return
+  text = "" if error is None else str(error) if isinstance(error, UserError) else f"{type(error).__name__}: {error}"
+  buf = np.zeros(1024, np.uint8)
+  raw = (text or "failed").encode()[:1023] if error is not None else b""
+  buf[:len(raw)] = np.frombuffer(raw, np.uint8)
+  buf[-1] = error is not None
+  every = np.asarray(multihost_utils.process_allgather(buf))
+  if error is not None:
+    raise error
+  for i, row in enumerate(every):
+    if row[-1]:
+      raise UserError(f"process {i} failed while {what}: " + bytes(row[:-1]).rstrip(b"\0").decode(errors="replace"))
+
+
+def _refuse_urls(cfg, workdir):
+  """Paths are local filesystem paths: a URL (gs://, s3://, file://) would become a local folder
+  named `gs:`. A pod's hosts share a workdir through a mounted filesystem instead."""
+  for name, value in (("--workdir", workdir), ("train.init_from", cfg.train.init_from),
+                      ("data.data_dir", cfg.data.data_dir), ("data.text_path", cfg.data.text_path)):
+    if "://" in value:
+      raise UserError(f"{name}={value} is a URL: jaxformer reads and writes local paths only; give every host "
+                      "the same shared filesystem (NFS, Filestore, or a bucket mounted with GCS FUSE, e.g. "
+                      "`gcsfuse BUCKET /mnt/BUCKET`) and pass its path, e.g. --workdir /mnt/BUCKET/run")
+
+
 def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
   """Trains `cfg` in `workdir` (resuming from its newest intact checkpoint) and returns final metrics.
 
   Holds the workdir's lease (`jaxformer.lease`) while it runs: a second run on the same
   workdir stops at once with one line naming this one.
   """
+  _refuse_urls(cfg, workdir)
+  error = None
   try:
     os.makedirs(workdir, exist_ok=True)
     probe = os.path.join(workdir, f".write-test-{jax.process_index()}")
     open(probe, "w").close()
     os.remove(probe)
   except OSError as e:
-    raise UserError(f"cannot write to workdir {workdir}: {e.strerror}") from e
+    error = UserError(f"cannot write to workdir {workdir}: {e.strerror}")
+  agree_error(error, "opening the workdir")
   lease = _take_lease(cfg, workdir, log)
+  # Multi-host: signals are caught from here on, so a preemption notice during set-up is not lost
+  # (JAX's notifier would swallow it before the loop's first sync-point check).
+  early_stop = _StopFlag(agree=True) if jax.process_count() > 1 else None
   try:
-    return _train_and_evaluate(cfg, workdir, log, lease)
+    return _train_and_evaluate(cfg, workdir, log, lease, early_stop)
   finally:
+    if early_stop is not None:
+      early_stop.restore()
     if lease is not None:
       lease.release()
 
@@ -204,12 +265,33 @@ def _take_lease(cfg, workdir, log):
   return lease
 
 
-def _lease_lost(lease):
-  """The message if another run took this run's workdir lease over (process 0 tells all), else None."""
+def _agreed_stops(stop, timed_out, lease):
+  """(signal, timed out, lease-lost message or None), the same on every process: at a log step.
+
+  One process decides alone. A multi-host job does one small allgather (no device sync
+  beyond the log step's own): a SIGINT on any process, train.max_minutes on any process's
+  clock, or process 0's lost lease stops all of them at this step.
+  """
   lost = lease.lost if lease is not None else None
-  if jax.process_count() > 1 and multihost_utils.broadcast_one_to_all(np.int32(lost is not None)):
+  if jax.process_count() == 1:
+    return stop.signal, timed_out, lost
+  received = int(signal.Signals[stop.received]) if stop.received else 0
+  every = np.asarray(multihost_utils.process_allgather(np.int32([received, timed_out, lost is not None])))
+  if every[:, 0].any() and stop.signal is None:
+    first = int(np.argmax(every[:, 0] > 0))
+    stop.signal = f"{signal.Signals(int(every[first, 0])).name} (on process {first})"
+  if every[:, 2].any():
     lost = lost or "process 0 lost the workdir lease to another run"
-  return lost
+  return stop.signal, bool(every[:, 1].any()), lost
+
+
+def _last_complete(directory):
+  """'the last complete checkpoint is step N in DIR', from the disk now, without orbax (this runs on
+  the peer-watch thread of a job that is going down): a local save is named `<step>` only once
+  all processes finished writing it."""
+  steps = sorted(int(d) for d in os.listdir(directory) if d.isdigit()) if os.path.isdir(directory) else []
+  return f"the last complete checkpoint is step {steps[-1]} in {directory}" if steps else \
+      f"no checkpoint was completed in {directory}"
 
 
 def _skip_streak(metrics_list, in_row):
@@ -235,7 +317,7 @@ def _poisoned_message(in_row, step, limit, ckpt):
           f"the state or the data is poisoned; {where}")
 
 
-def _train_and_evaluate(cfg, workdir, log, lease):
+def _train_and_evaluate(cfg, workdir, log, lease, early_stop=None):
   compiles_before = len(runtime.COMPILES)
   is_main = jax.process_index() == 0
   if not is_main:
@@ -280,7 +362,9 @@ def _train_and_evaluate(cfg, workdir, log, lease):
 
   tokenizer_hash = evaluate_lib.file_sha256(task.tokenizer_path)
   step = int(state["step"])
-  stop = _StopFlag()
+  multi = jax.process_count() > 1
+  stop = early_stop or _StopFlag()
+  runtime.LOST_PROCESS["where"] = lambda: _last_complete(ckpt.directory)
   pending, tokens_since, flops_since, steps_since, t_last = [], 0, 0.0, 0, time.time()
   peak = runtime.peak_flops(cfg, log)
   deadline = time.time() + 60 * cfg.train.max_minutes if cfg.train.max_minutes else None
@@ -297,12 +381,17 @@ def _train_and_evaluate(cfg, workdir, log, lease):
         state, metrics = multi_step(state, tuple(batches))
       else:
         state, metrics = train_step(state, batches[0])
+      # JAX's preemption notice (SIGTERM on any host) names the same step on every process; a
+      # local check, no collective (every step id: orbax asks with step ids too).
+      if multi and any([multihost_utils.reached_preemption_sync_point(s) for s in range(step + 1, step + len(batches) + 1)]):
+        stop.signal = "SIGTERM (a preemption notice)"
       step += len(batches)
       steps_since += len(batches)
       pending.append(metrics)
       if len(pending) > 1:  # run at most one step ahead, so signals and time limits act promptly
         jax.block_until_ready(pending[-2]["loss_sum"])
-      last = step == cfg.train.num_steps or (deadline is not None and time.time() > deadline)
+      timed_out = deadline is not None and time.time() > deadline
+      last = step == cfg.train.num_steps or (timed_out and not multi)  # multi-host: agreed at log steps
       nan_stop = cfg.train.nan_policy == "stop" and not jnp.all(metrics["finite"])  # a sync, only for stop
       if step % cfg.train.log_every == 0 or last or stop.signal or nan_stop:
         ckpt.check()  # a failed background save stops the run here, before more is written to a full disk
@@ -325,7 +414,8 @@ def _train_and_evaluate(cfg, workdir, log, lease):
                           f"the last good checkpoint is in {ckpt.directory}")
         if cfg.train.max_skipped_steps and skipped_in_row >= cfg.train.max_skipped_steps:
           raise UserError(_poisoned_message(skipped_in_row, step, cfg.train.max_skipped_steps, ckpt))
-        lost = _lease_lost(lease)
+        _, timed_out, lost = _agreed_stops(stop, timed_out, lease)
+        last = last or timed_out
         if lost:
           raise UserError(lost)
         result.update(summary)
@@ -372,13 +462,18 @@ def _train_and_evaluate(cfg, workdir, log, lease):
     writer.write(step, {"programs_compiled": len(compiles), "compile_s": sum(compiles)})
     log(f"compiled {len(compiles)} XLA programs in {sum(compiles):.1f} s (train/eval steps per batch shape, "
         f"decoding, sampling; programs found in the compilation cache count with their load time)")
+  except jax.errors.JaxRuntimeError:
+    if multi:  # a collective failed (gloo: "Connection closed by peer"): the peer watch names the dead one
+      runtime.await_lost_process()
+    raise
   except OSError as e:
     if not checkpoint_lib.is_no_space(e):
       raise
     raise UserError(f"no space left on {checkpoint_lib.filesystem_of(e.filename or workdir)} while writing "
                     f"{e.filename or 'to the workdir'} at step {step}; {ckpt.last_complete_phrase()}") from e
   finally:
-    stop.restore()
+    if stop is not early_stop:
+      stop.restore()
     try:
       ckpt.close()
     finally:
@@ -522,13 +617,14 @@ def main(argv):
   """`python train.py [--config NAME] [--workdir DIR] [key=value ...]`."""
   args = parse_args(argv)
   runtime.keep_freed_memory()
-  runtime.maybe_initialize_distributed(args.multihost)
+  cfg = config_lib.load_config(args.config, args.overrides)  # touches no device: before distributed start-up
+  runtime.maybe_initialize_distributed(args.multihost, cfg.train.host_timeout_s)
   runtime.use_compilation_cache()
-  cfg = config_lib.load_config(args.config, args.overrides)
   workdir = args.workdir or os.path.join("runs", cfg.name)
   if jax.process_index() == 0:
     print(f"config {cfg.name} -> {workdir}\n{config_lib.to_json(cfg)}", flush=True)
   result = train_and_evaluate(cfg, workdir)
+  runtime.LOST_PROCESS["exit"] = "done"  # the other processes may outlive this one without alarm
   return result
 
 

@@ -99,6 +99,7 @@ def test_bad_values_fail_clearly(override, expected):
     ("train.nan_policy=ignore", "skip or stop"),
     ("train.max_skipped_steps=-1", r"must be 0 \(never stop\) or more"),
     ("train.lease_timeout_s=0", "must be positive"),
+    ("train.host_timeout_s=1", "must be at least 2"),
 ])
 def test_inconsistent_configs_are_rejected(override, expected):
   with pytest.raises(UserError, match=expected):

@@ -1,0 +1,60 @@
+"""Runs `train.py --multihost` as N local processes (tests/multihost_harness.py), by hand, for runs
+bigger than CI's, and reports how they ended.
+
+    python benchmarks/multihost.py --processes 4 --devices 2 --logdir /tmp/mh -- \
+        --config gpt2_tiny --workdir /tmp/mh/run train.num_steps=200
+    python benchmarks/multihost.py --processes 2 --kill 1 --at-step 100 --logdir /tmp/mh -- ...   # kill -9
+    python benchmarks/multihost.py --processes 2 --sigterm 1 --at-step 100 --logdir /tmp/mh -- ...
+
+Prints each process's exit code, the seconds from the kill or signal to the last exit, and
+process 0's `error:` line and last progress line. Every log stays in --logdir (p<i>.log).
+"""
+
+import argparse
+import os
+import re
+import signal
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+import multihost_harness as harness  # noqa: E402
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--processes", type=int, default=2)
+  parser.add_argument("--devices", type=int, default=2, help="simulated CPU devices per process")
+  parser.add_argument("--logdir", required=True)
+  parser.add_argument("--timeout", type=float, default=1800, help="hard limit for the whole job (s)")
+  parser.add_argument("--kill", type=int, default=None, help="kill -9 this process at --at-step")
+  parser.add_argument("--sigterm", type=int, default=None, help="SIGTERM this process at --at-step")
+  parser.add_argument("--at-step", type=int, default=None, help="when process 0 has logged this step")
+  parser.add_argument("--at-line", default=None, help="or when process 0 has logged a line matching this regex "
+                      "(e.g. '^resumed from': during set-up)")
+  parser.add_argument("train_args", nargs="+", help="train.py's arguments (after --)")
+  args = parser.parse_args(argv)
+  job = harness.launch(args.processes, args.train_args, args.logdir, devices=args.devices, timeout=args.timeout)
+  t0 = time.time()
+  at = args.at_line or (rf"^step {args.at_step}/" if args.at_step is not None else None)
+  if at is not None and (args.kill is not None or args.sigterm is not None):
+    job.wait_for(at)
+    t0 = time.time()
+    if args.kill is not None:
+      job.procs[args.kill].kill()
+    else:
+      job.signal(args.sigterm, signal.SIGTERM)
+  codes = job.wait()
+  log = job.log(0)
+  progress = re.findall(r"^step \d+/\d+ \|.*$", log, re.M)
+  errors = [line for line in log.splitlines() if line.startswith("error:")]
+  print(f"exit codes {codes}; {time.time() - t0:.1f} s from start/kill/signal to the last exit")
+  print("\n".join(re.findall(r"^.* received: saved a checkpoint at step \d+", log, re.M)))
+  print("last progress: " + (progress[-1] if progress else "(none)"))
+  for line in errors:
+    print(line)
+  print(f"logs: {args.logdir}/p<i>.log")
+
+
+if __name__ == "__main__":
+  main()
