@@ -366,8 +366,6 @@ def _validate(cfg):
   if o.optimizer == "adam" and o.weight_decay:
     raise UserError(f"optim.weight_decay={o.weight_decay:g} needs optim.optimizer=adamw (Adam has no decoupled "
                     "weight decay): set optim.optimizer=adamw or optim.weight_decay=0")
-  if cfg.train.host_timeout_s < 2:  # the peer watch beats once a second
-    raise UserError(f"train.host_timeout_s={cfg.train.host_timeout_s} must be at least 2 (seconds)")
 
 
 def _validate_types(cfg):
@@ -442,7 +440,8 @@ _RANGES = {
               ("eval_batches", 0, None, "must be 0 (the whole dev set) or more"),
               ("checkpoint_every", 1, None, "must be at least 1 (steps)"), ("keep_checkpoints", 1, None, _POSITIVE),
               ("seed", 0, None, _COUNT), ("steps_per_call", 1, None, _POSITIVE),
-              ("max_minutes", 0.0, None, "must be 0 (no limit) or more"), ("eval_bleu_sentences", 0, None, _COUNT)],
+              ("max_minutes", 0.0, None, "must be 0 (no limit) or more"), ("eval_bleu_sentences", 0, None, _COUNT),
+              ("host_timeout_s", 2, None, "must be at least 2 (seconds: the peer watch beats once a second)")],
     "decode": [("beam_size", 1, None, _POSITIVE), ("alpha", 0.0, None, _COUNT), ("max_extra_len", 0, None, _COUNT),
                ("batch_size", 1, None, _POSITIVE), ("temperature", 0.0, None, "must be 0 (greedy) or more"),
                ("top_k", 0, None, "must be 0 (off) or more"), ("top_p", _TINY, 1.0, "must be in (0, 1]"),
