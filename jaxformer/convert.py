@@ -468,6 +468,9 @@ def import_tokenizer(hf_dir, cfg, kind, workdir):
       raise UserError(f"{hf_dir} has no {os.path.basename(source)}: jaxformer needs the model's tokenizer "
                       "(tokenizer.json, or Llama-1/2's tokenizer.model)")
     shutil.copyfile(source, dest)
+  for name in ("tokenizer_config.json", "chat_template.jinja"):  # the chat template, for SFT/DPO (jaxformer.chat)
+    if os.path.isfile(os.path.join(hf_dir, name)):
+      shutil.copyfile(os.path.join(hf_dir, name), os.path.join(os.path.dirname(os.path.abspath(dest)), name))
   tok = tokenizer_lib.load_tokenizer(dest)
   tok.use_model_ids(cfg.model.pad_id, cfg.model.bos_id, cfg.model.eos_id, os.path.join(hf_dir, "config.json"))
   if tok.vocab_size > cfg.model.vocab_size:
