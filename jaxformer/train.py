@@ -172,7 +172,9 @@ def setup(cfg, workdir, log=print):
   tx, schedule = optim.build_optimizer(cfg)
   example = task.train_batch(0)
   init_inputs = [jnp.asarray(x[:1]) for x in task.init_inputs(example)]
-  init_fn = functools.partial(init_state, model, tx, init_inputs, reference=cfg.train.objective == "dpo")
+  init_fn = functools.partial(init_state, model, tx, init_inputs)
+  if cfg.train.objective == "dpo":  # the state also holds DPO's frozen reference
+    init_fn = functools.partial(init_fn, reference=True)
   rng = jax.random.PRNGKey(cfg.train.seed)
   abstract = jax.eval_shape(init_fn, rng)
   state_sharding = sharding.logical_sharding(abstract, mesh)
