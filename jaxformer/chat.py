@@ -257,16 +257,15 @@ def record_pieces(template, record, loss_on, eos_id, where=""):
 def encode_pieces(tokenizer, pieces, hf_tokenizer):
   """Token ids [n] int32 and loss mask [n] uint8 of `pieces` (see `record_pieces`).
 
-  A tokenizer.json recognises its special tokens in text itself (as transformers does); for
-  our tokenizers BOS_TEXT/EOS_TEXT become the model's BOS/EOS ids.
+  A tokenizer.json recognises its special tokens in text itself (as transformers does);
+  BOS_TEXT/EOS_TEXT (built-in templates, our tokenizers) become the model's BOS/EOS ids.
+  hf_tokenizer: kept for callers; the rule is the same for every tokenizer.
   """
   ids, mask = [], []
   for piece, on in pieces:
     if isinstance(piece, (int, np.integer)):
       parts = [[int(piece)]]
-    elif hf_tokenizer:
-      parts = [tokenizer.encode(piece)]
-    else:
+    else:  # BOS_TEXT / EOS_TEXT appear only where a built-in template (or our tokenizer) put them
       parts = []
       for k, chunk in enumerate(piece.split(EOS_TEXT)):
         if k:

@@ -295,3 +295,12 @@ def test_dpo_trains_resumes_and_the_reference_never_changes(tmp_path):
   margin = [v for _, v in read_metrics(workdir, "rewards/margin")]
   assert acc[-1] >= 0.7 > acc[0], acc  # towards 1 with more steps (BENCHMARKS.md)
   assert margin[-1] > margin[0] and margin[-1] > 0, margin
+
+
+def test_builtin_template_with_a_tokenizer_json_ends_turns_in_the_model_eos(hf_tok):
+  eot = hf_tok.tok.token_to_id("<|eot_id|>")
+  tok = hf_tok.use_model_ids(0, hf_tok.tok.token_to_id("<|begin_of_text|>"), eot)
+  template = chat.load_template("chatml", os.path.join(FIXTURES, "tokenizer.json"), True)
+  ids, mask = chat.encode_pieces(tok, chat.conversation_pieces(template, EXPECTED["conversations"][0], "assistant"),
+                                 True)
+  assert ids[mask == 1].tolist() == tok.encode("three two one") + [eot]
