@@ -121,6 +121,12 @@ class DataConfig:
   use_segments: bool = True         # lm: no attention across document boundaries
   num_proc: int = 2                 # prepare: tokenizer worker processes (<= 1: in the calling process)
   synthetic_size: int = 20000       # synthetic: number of generated pairs
+  # Fine-tuning (lm): JSON lines of `messages` or `prompt`/`completion` (SFT), or `prompt`/`chosen`/
+  # `rejected` (train.objective=dpo); the rows are whole examples (data.packing=packed packs several)
+  chat_path: str = ""
+  chat_val_path: str = ""           # "" -> a seeded 1 - train_fraction of chat_path's records
+  chat_template: str = ""           # chatml | plain | a tokenizer_config.json or .jinja; "" -> beside the tokenizer
+  loss_on: str = "assistant"        # assistant (every assistant turn) | completion (the last one) | all
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +166,9 @@ class TrainConfig:
   sample_every_eval: bool = True    # lm: print a sample at eval time
   eval_bleu_sentences: int = 0      # translation: greedy BLEU on this many dev sentences at each eval
   final_eval_split: str = ""        # translation: beam-search BLEU on this split when training ends
+  objective: str = "lm"             # lm (next-token loss, masked for SFT) | dpo (data.chat_path of preference pairs)
+  dpo_beta: float = 0.1             # DPO's beta (Rafailov et al. 2023), applied once to the log-ratio margin
+  dpo_reference: str = ""           # DPO's frozen reference: a workdir's latest params; "" -> the initial params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,6 +351,14 @@ def _validate(cfg):
   if (cfg.data.task == "lm") != (m.arch == "decoder_only"):
     raise UserError(f"data.task={cfg.data.task!r} needs model.arch="
                     f"{'decoder_only' if cfg.data.task == 'lm' else 'encoder_decoder'}")
+  if cfg.data.loss_on not in ("assistant", "completion", "all"):
+    raise UserError(f"data.loss_on={cfg.data.loss_on!r}: choose assistant, completion or all")
+  if cfg.train.objective not in ("lm", "dpo"):
+    raise UserError(f"train.objective={cfg.train.objective!r}: choose lm or dpo")
+  if (cfg.data.chat_path or cfg.train.objective == "dpo") and cfg.data.task != "lm":
+    raise UserError("data.chat_path and train.objective=dpo need data.task=lm (a decoder-only model)")
+  if cfg.train.objective == "dpo" and not cfg.data.chat_path:
+    raise UserError("train.objective=dpo needs data.chat_path=FILE.jsonl of {\"prompt\", \"chosen\", \"rejected\"}")
   if cfg.decode.length_penalty not in ("gnmt", "hf"):
     raise UserError(f"decode.length_penalty={cfg.decode.length_penalty!r}: choose gnmt or hf")
   if cfg.decode.hf_early_stopping not in ("false", "true", "never"):

@@ -521,6 +521,10 @@ def import_tokenizer(hf_dir, cfg, kind, workdir, source=None, log=print):
     tok.save(dest)
   else:
     shutil.copyfile(found, dest)
+  template_dir = os.path.dirname(found) if os.path.isfile(found) else found
+  for name in ("tokenizer_config.json", "chat_template.jinja"):  # the chat template, for SFT/DPO (jaxformer.chat)
+    if os.path.isfile(os.path.join(template_dir, name)):
+      shutil.copyfile(os.path.join(template_dir, name), os.path.join(os.path.dirname(os.path.abspath(dest)), name))
   tok = tokenizer_lib.load_tokenizer(dest)
   tok.use_model_ids(cfg.model.pad_id, cfg.model.bos_id, cfg.model.eos_id, os.path.join(hf_dir, "config.json"))
   if tok.vocab_size > cfg.model.vocab_size:

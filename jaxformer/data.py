@@ -673,3 +673,130 @@ class PackedLMBatcher:
     out = _own_rows(read, self.batch_size, self.part, (4, length))
     names = ("inputs", "targets", "segment_ids", "positions")
     return {k: np.ascontiguousarray(out[:, j]) for j, k in enumerate(names)}
+
+
+# ----------------------------------------------------------------------------
+# Fine-tuning: rows of whole examples with a loss mask (SFT), pairs of them (DPO).
+
+
+def example_spans(stream):
+  """(starts, lengths) [docs] int64 of every document (example) of a `shards.TokenStream`."""
+  starts = [offs[:-1] + base for offs, base in zip(stream.offsets, stream.token_starts[:-1])]
+  lengths = [np.diff(offs) for offs in stream.offsets]
+  return (np.concatenate(starts or [np.zeros(0, np.int64)]).astype(np.int64),
+          np.concatenate(lengths or [np.zeros(0, np.int64)]).astype(np.int64))
+
+
+def trained_tokens(mask_stream, starts, lengths, limit):
+  """Loss tokens [docs] each example keeps as targets of a row of `limit` tokens (its first token is never
+  a target; tokens past `limit` are cut)."""
+  if not len(starts):
+    return np.zeros(0, np.int64)
+  cum = np.concatenate([[0], np.cumsum(mask_stream.read(0, len(mask_stream)) != 0, dtype=np.int64)])
+  n = np.minimum(lengths, limit)
+  return cum[starts + n] - cum[np.minimum(starts + 1, starts + n)]
+
+
+def example_rows(tokens, mask, spans, block_size, pad_id=PAD_ID):
+  """Rows of whole examples: spans[r] = [(start, n), ...] of row r, their n summing to at most
+  block_size + 1. Returns dict of [rows, block_size] int32 arrays: inputs, targets (one further),
+  segment_ids (1, 2, ... per example; 0 = padding), positions (from 0 per example) and weights
+  (the target's loss mask, 0 where the target is another example's or padding: labels never cross).
+  """
+  width = block_size + 1
+  seq = np.full((len(spans), width), pad_id, np.int32)
+  loss = np.zeros((len(spans), width), np.int32)
+  seg = np.zeros((len(spans), width), np.int32)
+  pos = np.zeros((len(spans), width), np.int32)
+  for r, row in enumerate(spans):
+    at = 0
+    for k, (start, n) in enumerate(row, 1):
+      seq[r, at:at + n] = tokens.read(start, start + n)
+      loss[r, at:at + n] = mask.read(start, start + n)
+      seg[r, at:at + n] = k
+      pos[r, at:at + n] = np.arange(n)
+      at += n
+  same = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
+  return {"inputs": seq[:, :-1], "targets": seq[:, 1:], "segment_ids": seg[:, :-1], "positions": pos[:, :-1],
+          "weights": np.where(same, loss[:, 1:] != 0, 0).astype(np.int32)}
+
+
+class ExampleBatcher:
+  """SFT batches: rows of whole examples, each row a pure function of (seed, step).
+
+  Examples (documents of a token stream, with a loss-mask stream beside it) keep their first
+  block_size + 1 tokens; one whose loss mask is then empty is dropped (counted in `empty`).
+  packed: consecutive examples share a row while they fit (next-fit, in stored order), with
+  segment ids and positions restarting per example; else one example per row. Epoch e's row
+  order is `permute(., rows, (seed, e))` (shuffle=False: stored order, the last batch filled
+  with empty rows). `part`: only this process's rows are read (see `row_range`).
+  """
+
+  def __init__(self, tokens, mask, block_size, batch_size, seed=0, packed=True, shuffle=True, pad_id=PAD_ID,
+               part=None):
+    self.tokens, self.mask, self.block_size, self.batch_size = tokens, mask, block_size, batch_size
+    self.seed, self.shuffle, self.pad_id, self.part = seed, shuffle, pad_id, part
+    starts, lengths = example_spans(tokens)
+    keep = trained_tokens(mask, starts, lengths, block_size + 1) > 0
+    self.examples, self.empty = int(keep.sum()), int((~keep).sum())
+    self.truncated = int((lengths[keep] > block_size + 1).sum())
+    starts, lengths = starts[keep], np.minimum(lengths[keep], block_size + 1)
+    self.rows, row, used = [], [], 0
+    for s, n in zip(starts.tolist(), lengths.tolist()):
+      if row and (not packed or used + n > block_size + 1):
+        self.rows.append(row)
+        row, used = [], 0
+      row.append((s, n))
+      used += n
+    if row:
+      self.rows.append(row)
+    self.steps_per_epoch = max(1, len(self.rows) // batch_size) if shuffle else -(-len(self.rows) // batch_size)
+    self.real_tokens = int(lengths.sum())
+
+  def batch_at(self, step):
+    """The batch of `step`: `example_rows` of batch_size rows."""
+    epoch, i = divmod(step, self.steps_per_epoch)
+    index = np.arange(i * self.batch_size, (i + 1) * self.batch_size)
+    if self.shuffle:
+      index = permute(index % len(self.rows), len(self.rows), (self.seed, epoch))
+    spans = [self.rows[j] if j < len(self.rows) else [] for j in index.tolist()]
+    lo, hi = row_range(self.batch_size, self.part)
+    spans = [s if lo <= r < hi else [] for r, s in enumerate(spans)]  # others' rows stay padding
+    return example_rows(self.tokens, self.mask, spans, self.block_size, self.pad_id)
+
+
+class PairBatcher:
+  """DPO batches: each row a (chosen, rejected) pair of whole sequences, [batch, 2, block_size] arrays
+  (`example_rows` fields, one sequence per row). Pairs either of whose masks is empty within
+  block_size + 1 tokens are dropped (counted in `empty`). Order as `ExampleBatcher`'s."""
+
+  def __init__(self, chosen, chosen_mask, rejected, rejected_mask, block_size, batch_size, seed=0, shuffle=True,
+               pad_id=PAD_ID, part=None):
+    self.sides = ((chosen, chosen_mask), (rejected, rejected_mask))
+    self.block_size, self.batch_size, self.seed, self.shuffle = block_size, batch_size, seed, shuffle
+    self.pad_id, self.part = pad_id, part
+    self.spans, keep = [], None
+    for tokens, mask in self.sides:
+      starts, lengths = example_spans(tokens)
+      ok = trained_tokens(mask, starts, lengths, block_size + 1) > 0
+      keep = ok if keep is None else keep & ok
+      self.spans.append((starts, np.minimum(lengths, block_size + 1)))
+    self.index = np.flatnonzero(keep)
+    self.examples, self.empty = len(self.index), int((~keep).sum())
+    if not shuffle:
+      self.steps_per_epoch = -(-len(self.index) // batch_size)
+    else:
+      self.steps_per_epoch = max(1, len(self.index) // batch_size)
+
+  def batch_at(self, step):
+    epoch, i = divmod(step, self.steps_per_epoch)
+    index = np.arange(i * self.batch_size, (i + 1) * self.batch_size)
+    if self.shuffle:
+      index = permute(index % len(self.index), len(self.index), (self.seed, epoch))
+    lo, hi = row_range(self.batch_size, self.part)
+    pairs = [int(self.index[j]) if j < len(self.index) and lo <= r < hi else -1 for r, j in enumerate(index.tolist())]
+    out = []
+    for (tokens, mask), (starts, lengths) in zip(self.sides, self.spans):
+      spans = [[(int(starts[j]), int(lengths[j]))] if j >= 0 else [] for j in pairs]
+      out.append(example_rows(tokens, mask, spans, self.block_size, self.pad_id))
+    return {k: np.stack([out[0][k], out[1][k]], axis=1) for k in out[0]}

@@ -31,6 +31,25 @@ def cross_entropy(logits, targets, weights, label_smoothing=0.0):
   return jnp.sum(loss * weights), jnp.sum(nll * weights), jnp.sum(weights)
 
 
+def token_log_probs(logits, targets):
+  """log p(target) [batch, length] of logits [batch, length, vocab] (float32), with the
+  written-out gradient of `_token_losses`."""
+  return -_token_losses(logits.astype(jnp.float32), targets, 0.0)[1]
+
+
+def dpo_loss(policy_chosen, policy_rejected, reference_chosen, reference_rejected, beta):
+  """Direct Preference Optimization (Rafailov et al. 2023, eq. 7), per pair.
+
+  Inputs [pairs]: summed log-probabilities of each response's tokens under the policy and the
+  frozen reference. Returns (loss, chosen reward, rejected reward), each [pairs]: the rewards
+  are beta * (policy - reference), and the loss -log sigmoid(chosen - rejected), so beta
+  multiplies the log-ratio margin once (MaxText's issue 1530 scaled it twice).
+  """
+  chosen = beta * (policy_chosen - reference_chosen)
+  rejected = beta * (policy_rejected - reference_rejected)
+  return -jax.nn.log_sigmoid(chosen - rejected), chosen, rejected
+
+
 # The gradient is written out: d loss / d logits = softmax(logits) - smoothed targets.
 # Autodiff of the formula keeps log-probabilities and products the size of the logits for
 # the backward pass; this keeps only the logits, and the forward pass never builds a

@@ -114,3 +114,35 @@ def split_train_test(en, de, test_fraction=0.1, seed=0):
   train = [p for p in zip(en, de) if p not in held]
   return ([e for e, _ in train], [d for _, d in train]), (
       [e for e, _ in test], [d for _, d in test])
+
+
+# ----------------------------------------------------------------------------
+# Fine-tuning: a generated instruction task ("reverse these words") in chat form, and preferences.
+
+WORDS = ("cat", "dog", "sun", "map", "red", "big", "cup", "hat", "pen", "box", "sky", "owl", "fig", "jam",
+         "kit", "log")
+
+
+def reverse_words_records(n, seed=0, min_words=3, max_words=5):
+  """`n` SFT records {"messages": [user, assistant]}: the user asks to reverse 3-5 words of WORDS,
+  the assistant answers with them reversed (a seeded, reproducible set)."""
+  rng = random.Random(seed)
+  out = []
+  for _ in range(n):
+    words = [rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words))]
+    out.append({"messages": [{"role": "user", "content": "reverse: " + " ".join(words)},
+                             {"role": "assistant", "content": " ".join(reversed(words))}]})
+  return out
+
+
+def reverse_words_preferences(n, seed=0):
+  """`n` DPO records {"prompt", "chosen", "rejected"} (conversational prompt): chosen is the words
+  reversed, rejected the words as given (a copy, the natural mistake)."""
+  out = []
+  for record in reverse_words_records(n, seed):
+    user, answer = record["messages"]
+    words = user["content"].removeprefix("reverse: ")
+    if words == answer["content"]:  # a palindrome: no preference to learn
+      continue
+    out.append({"prompt": [user], "chosen": [answer], "rejected": [{"role": "assistant", "content": words}]})
+  return out

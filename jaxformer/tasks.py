@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxformer import chat
 from jaxformer import data as data_lib
 from jaxformer import layers
 from jaxformer import losses
@@ -192,8 +193,11 @@ class LMTask:
 
   @staticmethod
   def loss(model, params, batch, rngs, deterministic, label_smoothing):
+    """(smoothed loss sum, NLL sum, target count); a batch's `weights` [batch, length] (SFT's loss
+    mask) selects the targets, else every target counts."""
     args = (batch["inputs"], batch.get("segment_ids"), batch.get("positions"))
-    weights = batch.get("weights", jnp.ones(batch["targets"].shape, jnp.float32))  # eval's whole stream weighs
+    weights = (batch["weights"].astype(jnp.float32) if "weights" in batch
+               else jnp.ones(batch["targets"].shape, jnp.float32))
     return model_loss(model, params, args, rngs, deterministic, batch["targets"], weights, label_smoothing)
 
   @staticmethod
@@ -221,7 +225,130 @@ def model_loss(model, params, args, rngs, deterministic, targets, weights, label
   return losses.chunked_cross_entropy(hidden, weights_and_bias, targets, weights, label_smoothing, chunk, project)
 
 
+class _FineTuning:
+  """What SFT and DPO data share: shards from `chat.ensure_prepared`, the run's tokenizer."""
+
+  def _open(self, cfg, workdir, batch_multiple, log):
+    d = cfg.data
+    self.cfg = cfg
+    manifest = chat.ensure_prepared(cfg, workdir, log)
+    self.tokenizer_path = tokenizer_path(cfg, workdir)
+    self.tokenizer = prepare.load_run_tokenizer(cfg, self.tokenizer_path)
+    if self.tokenizer.vocab_size > cfg.model.vocab_size:
+      raise UserError(f"the {d.tokenizer} tokenizer has {self.tokenizer.vocab_size} ids but "
+                      f"model.vocab_size={cfg.model.vocab_size}; set model.vocab_size={self.tokenizer.vocab_size}")
+    if d.batch_size % batch_multiple or d.batch_size % cfg.optim.grad_accum_steps:
+      raise UserError(f"data.batch_size={d.batch_size} must be a multiple of the data-parallel size "
+                      f"({batch_multiple}) and of optim.grad_accum_steps ({cfg.optim.grad_accum_steps})")
+    self.data_dir = prepare.data_dir(cfg, workdir)
+    self.streams = {split: {f: shards.TokenStream(self.data_dir, split, f, manifest) for f in chat.fields(cfg)}
+                    for split in ("train", "val") if split in manifest["splits"]}
+    return manifest
+
+  def _report(self, batcher, split, log):
+    log(f"{split}: {batcher.examples:,} examples in rows of {self.cfg.data.block_size + 1} tokens, "
+        f"{batcher.empty:,} with no loss token left after cutting to that length skipped")
+    if not batcher.examples:
+      raise UserError(f"no {split} example of {self.cfg.data.chat_path} keeps a loss token within data.block_size="
+                      f"{self.cfg.data.block_size}: raise data.block_size (or check data.loss_on)")
+
+  @staticmethod
+  def num_tokens(batch):
+    return int((batch["segment_ids"] > 0).sum())
+
+  @staticmethod
+  def init_inputs(batch):
+    return (batch["inputs"].reshape(-1, batch["inputs"].shape[-1]),)
+
+
+class ChatTask(_FineTuning):
+  """SFT: the LM task on rows of whole chat/instruction examples, the loss on the mask's tokens.
+
+  data.packing=packed packs consecutive examples into a row (segment ids and positions restart
+  per example; `data.example_rows` zeroes targets across examples); else one example per row.
+  """
+
+  name = "lm"
+
+  def __init__(self, cfg: Config, workdir, batch_multiple=1, log=print, part=None):
+    d = cfg.data
+    self._open(cfg, workdir, batch_multiple, log)
+    make = lambda split, **kw: data_lib.ExampleBatcher(
+        self.streams[split]["text"], self.streams[split]["mask"], d.block_size, d.batch_size,
+        packed=d.packing == "packed", pad_id=cfg.model.pad_id, part=part, **kw)
+    self.train = make("train", seed=cfg.train.seed)
+    self._report(self.train, "train", log)
+    self.val = make("val", shuffle=False) if "val" in self.streams else None
+
+  def train_batch(self, step):
+    return self.train.batch_at(step)
+
+  def eval_batches(self, split="dev", limit=0):
+    """The validation examples in stored order (all of them when limit is 0)."""
+    if self.val is None or not self.val.examples:
+      return []
+    steps = self.val.steps_per_epoch if not limit else min(limit, self.val.steps_per_epoch)
+    return [self.val.batch_at(i) for i in range(steps)]
+
+  loss = staticmethod(LMTask.loss)
+
+
+class PreferenceTask(_FineTuning):
+  """DPO: (chosen, rejected) pairs, batches [batch, 2, block_size]; the loss is `preference_loss`."""
+
+  name = "dpo"
+
+  def __init__(self, cfg: Config, workdir, batch_multiple=1, log=print, part=None):
+    d = cfg.data
+    self._open(cfg, workdir, batch_multiple, log)
+    make = lambda split, **kw: data_lib.PairBatcher(
+        *(self.streams[split][f] for f in chat.fields(cfg)), d.block_size, d.batch_size,
+        pad_id=cfg.model.pad_id, part=part, **kw)
+    self.train = make("train", seed=cfg.train.seed)
+    self._report(self.train, "train", log)
+    self.val = make("val", shuffle=False) if "val" in self.streams else None
+
+  def train_batch(self, step):
+    return self.train.batch_at(step)
+
+  def eval_batches(self, split="dev", limit=0):
+    if self.val is None or not self.val.examples:
+      return []
+    steps = self.val.steps_per_epoch if not limit else min(limit, self.val.steps_per_epoch)
+    return [self.val.batch_at(i) for i in range(steps)]
+
+  @staticmethod
+  def sequence_log_probs(model, params, batch, rngs, deterministic):
+    """Summed log-probabilities of each sequence's loss tokens (the response and its EOS) [batch, 2]."""
+    rows, two, length = batch["inputs"].shape
+    flat = {k: v.reshape(rows * two, length) for k, v in batch.items()}
+    logits = model.apply({"params": params}, flat["inputs"], flat["segment_ids"], flat["positions"],
+                         deterministic=deterministic, rngs=rngs)
+    logp = losses.token_log_probs(logits, flat["targets"])
+    return jnp.sum(logp * flat["weights"].astype(jnp.float32), axis=-1).reshape(rows, two)
+
+  @staticmethod
+  def preference_loss(model, params, reference, batch, rngs, deterministic, beta):
+    """(DPO loss sum, sums): `losses.dpo_loss` of the policy `params` against the frozen
+    `reference` (no gradient), summed over pairs; sums: nll_sum (the chosen responses' NLL),
+    tokens (pairs), rewards/chosen_sum, rewards/rejected_sum, rewards/accuracy_sum."""
+    policy = PreferenceTask.sequence_log_probs(model, params, batch, rngs, deterministic)
+    ref = jax.lax.stop_gradient(PreferenceTask.sequence_log_probs(model, reference, batch, {}, True))
+    real = (batch["weights"][:, 0].sum(-1) > 0).astype(jnp.float32)  # filler rows (evaluation) count for nothing
+    loss, chosen, rejected = losses.dpo_loss(policy[:, 0], policy[:, 1], ref[:, 0], ref[:, 1], beta)
+    sums = {"nll_sum": -jnp.sum(policy[:, 0] * real), "tokens": jnp.sum(real),
+            "rewards/chosen_sum": jnp.sum(chosen * real), "rewards/rejected_sum": jnp.sum(rejected * real),
+            "rewards/accuracy_sum": jnp.sum((chosen > rejected) * real)}
+    return jnp.sum(loss * real), sums
+
+
 def make_task(cfg: Config, workdir, batch_multiple=1, log=print, part=None):
-  """The task the config's `data.task` names; `part`: this process's rows (see `data.row_range`)."""
-  cls = TranslationTask if cfg.data.task == "translation" else LMTask
+  """The task the config names (`data.task`; data.chat_path: SFT, or DPO with train.objective=dpo);
+  `part`: this process's rows (see `data.row_range`)."""
+  if cfg.train.objective == "dpo":
+    cls = PreferenceTask
+  elif cfg.data.task == "lm" and cfg.data.chat_path:
+    cls = ChatTask
+  else:
+    cls = TranslationTask if cfg.data.task == "translation" else LMTask
   return cls(cfg, workdir, batch_multiple=batch_multiple, log=log, part=part)

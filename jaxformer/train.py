@@ -48,29 +48,34 @@ def make_train_step(model, task, cfg, tx, schedule):
   """
   accum = cfg.optim.grad_accum_steps
   base_rng = jax.random.PRNGKey(cfg.train.seed)
+  dpo = cfg.train.objective == "dpo"
 
-  def grads_of(params, batch, rng):
+  def grads_of(params, batch, rng, reference):
     def loss_fn(p):
+      if dpo:  # the second objective: a preference loss against the frozen reference params
+        return task.preference_loss(model, p, reference, batch, {"dropout": rng}, False, cfg.train.dpo_beta)
       loss, nll, weight = task.loss(model, p, batch, {"dropout": rng}, False, cfg.optim.label_smoothing)
-      return loss, (nll, weight)
-    (loss, (nll, weight)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    return grads, loss, nll, weight
+      return loss, {"nll_sum": nll, "tokens": weight}
+    (loss, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    return grads, loss, sums
 
   def train_step(state, batch):
     rng = jax.random.fold_in(base_rng, state["step"])
+    reference = state.get("ref_params")
     if accum == 1:
-      grads, loss, nll, weight = grads_of(state["params"], batch, rng)
+      grads, loss, sums = grads_of(state["params"], batch, rng, reference)
     else:
       micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
 
       def body(carry, xs):
         i, mb = xs
-        out = grads_of(state["params"], mb, jax.random.fold_in(rng, i))
+        out = grads_of(state["params"], mb, jax.random.fold_in(rng, i), reference)
         return jax.tree.map(jnp.add, carry, out), None
 
-      zeros = (jax.tree.map(jnp.zeros_like, state["params"]), 0.0, 0.0, 0.0)
-      (grads, loss, nll, weight), _ = jax.lax.scan(body, zeros, (jnp.arange(accum), micro))
-    weight = jnp.maximum(weight, 1.0)
+      zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(grads_of, state["params"], jax.tree.map(lambda x: x[0], micro),
+                                                          rng, reference))
+      (grads, loss, sums), _ = jax.lax.scan(body, zeros, (jnp.arange(accum), micro))
+    weight = jnp.maximum(sums["tokens"], 1.0)
     grads = jax.tree.map(lambda g: g / weight, grads)
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
@@ -80,7 +85,9 @@ def make_train_step(model, task, cfg, tx, schedule):
     new_state = {"step": state["step"] + 1, "params": keep(params, state["params"]),
                  "opt_state": keep(opt_state, state["opt_state"]),
                  "skipped": state["skipped"] + (~finite).astype(jnp.int32)}
-    metrics = {"loss_sum": loss, "nll_sum": nll, "tokens": weight, "grad_norm": grad_norm,
+    if reference is not None:
+      new_state["ref_params"] = reference  # frozen: passed through untouched
+    metrics = {"loss_sum": loss, **sums, "tokens": weight, "grad_norm": grad_norm,
                "lr": schedule(state["step"]), "finite": finite}
     return new_state, metrics
 
@@ -117,11 +124,17 @@ def evaluate(eval_step, params, batches):
   return {"val_nll": nll, "val_ppl": float(np.exp(min(nll, 50.0))), "val_tokens": int(total[2])}
 
 
-def init_state(model, tx, init_inputs, rng):
-  """A fresh train state with boxed (logically named) params, for eval_shape and init."""
+def init_state(model, tx, init_inputs, rng, reference=False):
+  """A fresh train state with boxed (logically named) params, for eval_shape and init.
+
+  reference (train.objective=dpo): `ref_params`, DPO's frozen reference, starts as a copy of the params.
+  """
   params = model.init(rng, *init_inputs)["params"]
-  return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params),
-          "skipped": jnp.zeros((), jnp.int32)}
+  state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params),
+           "skipped": jnp.zeros((), jnp.int32)}
+  if reference:
+    state["ref_params"] = jax.tree.map(jnp.copy, params)
+  return state
 
 
 class _StopFlag:
@@ -180,6 +193,8 @@ def setup(cfg, workdir, log=print):
   example = task.train_batch(0)
   init_inputs = [jnp.asarray(x[:1]) for x in task.init_inputs(example)]
   init_fn = functools.partial(init_state, model, tx, init_inputs)
+  if cfg.train.objective == "dpo":  # the state also holds DPO's frozen reference
+    init_fn = functools.partial(init_fn, reference=True)
   rng = jax.random.PRNGKey(cfg.train.seed)
   abstract = jax.eval_shape(init_fn, rng)
   state_sharding = sharding.logical_sharding(abstract, mesh)
@@ -341,6 +356,9 @@ def _train_and_evaluate(cfg, workdir, log, lease, early_stop=None):
     state = init_from_checkpoint(cfg, tx, abstract_unboxed, state_sharding, task.tokenizer_path, log)
   else:
     state = jax.jit(lambda r: nn.unbox(init_fn(r)), out_shardings=state_sharding)(rng)
+  if resumed is None and cfg.train.dpo_reference and cfg.train.objective == "dpo":
+    state["ref_params"], where = restore_params(cfg, cfg.train.dpo_reference, abstract_unboxed["ref_params"], log)
+    log(f"DPO reference: {where} (frozen)")
   if is_main:  # only now: a command that fails above leaves the workdir as it was
     with open(os.path.join(workdir, "config.json.tmp"), "w") as f:
       f.write(config_lib.to_json(cfg))
@@ -519,6 +537,11 @@ def copy_init_tokenizer(cfg, workdir, log=print):
   mine, theirs = tasks.tokenizer_path(cfg, workdir), tasks.tokenizer_path(source_cfg, source)
   if mine == "byte" or os.path.exists(mine) or not os.path.isfile(theirs):
     return
+  for name in ("tokenizer_config.json", "chat_template.jinja"):  # a converted model's chat template (SFT, DPO)
+    config = os.path.join(os.path.dirname(theirs), name)
+    if os.path.isfile(config):
+      os.makedirs(os.path.dirname(os.path.abspath(mine)), exist_ok=True)
+      shutil.copyfile(config, os.path.join(os.path.dirname(os.path.abspath(mine)), name))
   os.makedirs(os.path.dirname(os.path.abspath(mine)), exist_ok=True)  # data.data_dir may not exist yet
   shutil.copyfile(theirs, mine + ".tmp")
   os.replace(mine + ".tmp", mine)
@@ -530,27 +553,36 @@ def init_from_checkpoint(cfg, tx, abstract, state_sharding, tokenizer_path, log=
 
   `abstract` is the train state's ShapeDtypeStructs with shardings: params restore straight onto the mesh.
   """
-  source = cfg.train.init_from
+  params, where, meta = restore_params(cfg, cfg.train.init_from, abstract["params"], log, with_meta=True,
+                                       key="train.init_from")
+  if meta.get("tokenizer_sha256") not in (None, evaluate_lib.file_sha256(tokenizer_path)):
+    raise UserError(f"tokenizer {tokenizer_path} is not the one {where} was trained with (its hash differs): "
+                    "fine-tune with the tokenizer of train.init_from")
+  zero = jnp.zeros((), jnp.int32)
+  reference = "ref_params" in abstract  # DPO: the reference starts as these params (a copy)
+  state = jax.jit(lambda p: {"step": zero, "params": p, "opt_state": tx.init(p), "skipped": zero,
+                             **({"ref_params": jax.tree.map(jnp.copy, p)} if reference else {})},
+                  out_shardings=state_sharding)(params)
+  log(f"initialised from {where}: its params, a fresh optimizer, step 0")
+  return state
+
+
+def restore_params(cfg, source, abstract_params, log=print, with_meta=False, key="train.dpo_reference"):
+  """(params, "dir/step"[, meta]) of workdir `source`'s latest checkpoint, restored onto `abstract_params`'
+  shardings (its layers converted when it was saved with the other model.scan_layers)."""
   if not os.path.isdir(os.path.join(source, "checkpoints")):
-    raise UserError(f"train.init_from={source} has no checkpoints/: give a training workdir or one written by "
+    raise UserError(f"{key}={source} has no checkpoints/: give a training workdir or one written by "
                     "python -m jaxformer.convert")
   with checkpoint_lib.Checkpointer(source, max_to_keep=None, async_save=False) as src:
     if evaluate_lib.stored_scan_layers(src) == cfg.model.scan_layers:
-      params, meta = src.restore_params(abstract["params"])
+      params, meta = src.restore_params(abstract_params)
     else:  # e.g. a converted Hugging Face model (unrolled) fine-tuned with model.scan_layers=true
       layout = config_lib.replace(cfg, **{"model.scan_layers": not cfg.model.scan_layers})
       params, meta = src.restore_params(evaluate_lib.abstract_params(layout)[1])
       params = model_lib.convert_layers(params, cfg.model.scan_layers)
       log(f"converted {source}'s layers to the {'scanned' if cfg.model.scan_layers else 'unrolled'} layout")
     where = f"{src.directory}/{meta.get('step')}"
-  if meta.get("tokenizer_sha256") not in (None, evaluate_lib.file_sha256(tokenizer_path)):
-    raise UserError(f"tokenizer {tokenizer_path} is not the one {where} was trained with (its hash differs): "
-                    "fine-tune with the tokenizer of train.init_from")
-  zero = jnp.zeros((), jnp.int32)
-  state = jax.jit(lambda p: {"step": zero, "params": p, "opt_state": tx.init(p), "skipped": zero},
-                  out_shardings=state_sharding)(params)
-  log(f"initialised from {where}: its params, a fresh optimizer, step 0")
-  return state
+  return (params, where, meta) if with_meta else (params, where)
 
 
 def _under_mesh(mesh, jitted):
@@ -589,16 +621,20 @@ def _train_flops(cfg, batch):
   """Model FLOPs of a training step (`inspect.flops_per_token` x real target tokens)."""
   targets = batch["targets"]
   tokens = batch["targets_segmentation"].sum() if "targets_segmentation" in batch else targets.size
-  return float(tokens) * inspect_lib.flops_per_token(cfg, targets.shape[1])["train"]
+  return float(tokens) * inspect_lib.flops_per_token(cfg, targets.shape[-1])["train"]
 
 
 def _summarize(metrics_list):
   """Token-weighted means over the logged steps (entries may hold several steps each)."""
   m = {k: np.concatenate([np.ravel(x[k]) for x in metrics_list]).astype(np.float64) for k in metrics_list[0]}
   tokens = max(float(m["tokens"].sum()), 1.0)
-  return {"loss": float(m["loss_sum"].sum()) / tokens, "nll": float(m["nll_sum"].sum()) / tokens,
-          "lr": float(m["lr"][-1]), "grad_norm": float(m["grad_norm"].mean()),
-          "nonfinite": int((m["finite"] == 0).sum())}
+  out = {"loss": float(m["loss_sum"].sum()) / tokens, "nll": float(m["nll_sum"].sum()) / tokens,
+         "lr": float(m["lr"][-1]), "grad_norm": float(m["grad_norm"].mean()),
+         "nonfinite": int((m["finite"] == 0).sum())}
+  rewards = {k[:-4]: float(m[k].sum()) / tokens for k in m if k.startswith("rewards/")}  # DPO: means over pairs
+  if rewards:
+    out.update(rewards, **{"rewards/margin": rewards["rewards/chosen"] - rewards["rewards/rejected"]})
+  return out
 
 
 def parse_args(argv):

@@ -1,0 +1,449 @@
+"""Chat and instruction data: chat templates rendered as transformers renders them, and loss masks.
+
+A record is a JSON line with `messages` (the OpenAI layout: [{"role", "content"}, ...]) or
+`prompt`/`completion` (plain text, or message lists as TRL's conversational form), or, for
+DPO, `prompt`/`chosen`/`rejected`. It becomes token ids and a loss mask of the same length
+(1 = a token the loss is on). Where each assistant turn lies in the rendered text is found
+TRL-style, from the template itself: turn i's text is what `render(messages[:i + 1])` adds
+to `render(messages[:i], add_generation_prompt=True)`, so the end-of-turn / EOS token the
+template writes after the turn is in the loss. The pieces are tokenized one after the other
+(for templates whose turns meet at special tokens this equals tokenizing the whole text,
+which `tests/test_chat.py` checks against transformers on the fixture templates).
+"""
+
+import contextvars
+import json
+import os
+import re
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import numpy as np
+
+from jaxformer.errors import UserError
+
+# Our own tokenizers (char, byte, sentencepiece) have no special-token strings: a template
+# writes these, and `encode_pieces` turns them into the model's BOS / EOS ids.
+BOS_TEXT, EOS_TEXT = "<|bos|>", "<|eos|>"
+
+# Built-in templates for models without a tokenizer_config.json (gpt2_small, char models).
+# chatml: OpenAI's ChatML layout, where an assistant turn ends in the model's EOS (so
+# generation stops there) instead of <|im_end|>.
+BUILTIN_TEMPLATES = {
+    "chatml": ("{% for message in messages %}"
+               "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] }}"
+               "{% if message['role'] == 'assistant' %}{{ eos_token }}{% else %}{{ '<|im_end|>\n' }}{% endif %}"
+               "{% endfor %}"
+               "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"),
+    # The shortest layout, for tiny char/byte models: "User: ...\nAssistant: ...<eos>".
+    "plain": ("{% for message in messages %}"
+              "{% if message['role'] == 'assistant' %}{{ 'Assistant: ' + message['content'] + eos_token }}"
+              "{% else %}{{ message['role'] | capitalize + ': ' + message['content'] + '\n' }}{% endif %}"
+              "{% endfor %}"
+              "{% if add_generation_prompt %}{{ 'Assistant: ' }}{% endif %}"),
+}
+
+LOSS_ON = ("assistant", "completion", "all")
+
+
+_TRACKING = contextvars.ContextVar("generation_spans", default=None)
+_GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
+class _Generation(jinja2.ext.Extension):
+  """`{% generation %}...{% endgeneration %}`: renders its body and, while `ChatTemplate.render_spans`
+  runs, records where the body lies in the output (transformers' AssistantTracker, which its
+  `return_assistant_tokens_mask` reads)."""
+
+  tags = {"generation"}
+
+  def parse(self, parser):
+    lineno = next(parser.stream).lineno
+    body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+    return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+  def _body(self, caller):
+    text = caller()
+    tracking = _TRACKING.get()
+    if tracking is not None:
+      blocks, spans = tracking
+      start = len("".join(blocks))
+      spans.append((start, start + len(text)))
+    return text
+
+
+def _raise_exception(message):
+  raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+  # transformers replaces jinja's tojson (which escapes HTML characters) with plain json.dumps
+  return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def compile_template(text):
+  """A jinja2 template in transformers' environment (transformers 5.x `_compile_jinja_template`):
+  sandboxed, trim_blocks and lstrip_blocks, loop controls, `raise_exception`, a json `tojson`."""
+  env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                     extensions=[_Generation, jinja2.ext.loopcontrols])
+  env.filters["tojson"] = _tojson
+  env.globals["raise_exception"] = _raise_exception
+  try:
+    return env.from_string(text)
+  except jinja2.TemplateSyntaxError as e:
+    raise UserError(f"the chat template does not parse (line {e.lineno}): {e.message}") from None
+
+
+class ChatTemplate:
+  """A compiled chat template with its special-token strings (`bos_token`, `eos_token`, ...)."""
+
+  def __init__(self, text, special, name):
+    self.text, self.special, self.name = text, dict(special), name
+    self.template = compile_template(text)
+
+  def render(self, messages, add_generation_prompt=False):
+    """The conversation as text, as transformers' `apply_chat_template(..., tokenize=False)` gives it."""
+    try:
+      return self.template.render(messages=messages, tools=None, documents=None,
+                                  add_generation_prompt=add_generation_prompt, **self.special)
+    except jinja2.TemplateError as e:
+      raise UserError(f"chat template {self.name}: {e}") from None
+
+  @property
+  def marks_generation(self):
+    """Whether the template marks the assistant's text with {% generation %} blocks."""
+    return bool(_GENERATION_TAG.search(self.text))
+
+  def render_spans(self, messages):
+    """(text, [(start, end)] character spans of its {% generation %} blocks), as transformers finds them."""
+    blocks, spans = [], []
+    token = _TRACKING.set((blocks, spans))
+    try:
+      for block in self.template.generate(messages=messages, tools=None, documents=None,
+                                          add_generation_prompt=False, **self.special):
+        blocks.append(block)
+    except jinja2.TemplateError as e:
+      raise UserError(f"chat template {self.name}: {e}") from None
+    finally:
+      _TRACKING.reset(token)
+    return "".join(blocks), spans
+
+
+def _token_text(value):
+  """A tokenizer_config.json special token: a string, or a dict with its `content`."""
+  return value.get("content") if isinstance(value, dict) else value
+
+
+def load_template(spec, tokenizer_path, hf_tokenizer):
+  """The ChatTemplate named by `data.chat_template`.
+
+  spec: a built-in name (`chatml`, `plain`), a path to a tokenizer_config.json (its
+  `chat_template`, and its bos/eos/pad/unk token strings) or to a Jinja file; "" -> the
+  tokenizer_config.json beside the tokenizer (jaxformer.convert copies it there).
+  hf_tokenizer: the run's tokenizer is a tokenizer.json, whose special tokens are text the
+  tokenizer recognises; otherwise the template's `bos_token`/`eos_token` are BOS_TEXT/EOS_TEXT.
+  """
+  ours = {"bos_token": BOS_TEXT, "eos_token": EOS_TEXT}
+  if spec in BUILTIN_TEMPLATES:
+    return ChatTemplate(BUILTIN_TEMPLATES[spec], ours, spec)
+  path = spec
+  if not spec:
+    folder = os.path.dirname(os.path.abspath(tokenizer_path)) if tokenizer_path != "byte" else ""
+    path = os.path.join(folder, "tokenizer_config.json")
+    if not folder or not os.path.isfile(path):
+      raise UserError(f"no chat template: {path if folder else 'the byte tokenizer'} has no tokenizer_config.json; "
+                      f"set data.chat_template to one of {', '.join(BUILTIN_TEMPLATES)} or to a tokenizer_config.json")
+  if not os.path.isfile(path):
+    raise UserError(f"data.chat_template={spec}: not a built-in template ({', '.join(BUILTIN_TEMPLATES)}) "
+                    "and no such file")
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  if not path.endswith(".json"):
+    return ChatTemplate(text, ours, path)
+  try:
+    config = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise UserError(f"{path}: not valid JSON ({e.msg}, line {e.lineno})") from None
+  template = config.get("chat_template")
+  if isinstance(template, list):  # several named templates: transformers uses "default"
+    template = {t.get("name"): t.get("template") for t in template}.get("default")
+  if not template and os.path.isfile(os.path.join(os.path.dirname(path), "chat_template.jinja")):
+    with open(os.path.join(os.path.dirname(path), "chat_template.jinja"), encoding="utf-8") as f:
+      template = f.read()  # transformers >= 4.43 may save it beside the config
+  if not template:
+    raise UserError(f"{path} has no chat_template; set data.chat_template to one of {', '.join(BUILTIN_TEMPLATES)}")
+  special = {k: _token_text(config[k]) for k in ("bos_token", "eos_token", "pad_token", "unk_token")
+             if config.get(k) is not None}
+  if not hf_tokenizer:
+    special.update(ours)
+  return ChatTemplate(template, special, path)
+
+
+def _check_messages(messages, where):
+  if not isinstance(messages, list) or not messages:
+    raise UserError(f"{where}: `messages` must be a non-empty list of {{\"role\", \"content\"}}")
+  for m in messages:
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+      raise UserError(f"{where}: each message needs a string `role` and `content`, got {str(m)[:80]}")
+
+
+def conversation_pieces(template, messages, loss_on, where=""):
+  """[(text, in the loss)] whose concatenation is `template.render(messages)`.
+
+  loss_on: assistant (every assistant turn), completion (the last one), all (every token).
+  """
+  _check_messages(messages, where)
+  full = template.render(messages)
+  if loss_on == "all":
+    return [(full, True)]
+  turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+  if loss_on == "completion":
+    turns = turns[-1:]
+  spans = []
+  if template.marks_generation:  # the template says where the assistant's text is (TRL's assistant_only_loss)
+    text, spans = template.render_spans(messages)
+    spans = spans[-1:] if loss_on == "completion" else spans
+    turns = []
+  for i in turns:
+    start = template.render(messages[:i], add_generation_prompt=True) if i else ""
+    upto = template.render(messages[:i + 1])
+    if not (upto.startswith(start) and full.startswith(upto)):
+      raise UserError(f"{where}: chat template {template.name} does not render the conversation's prefixes as "
+                      f"prefixes of it (turn {i}), so the assistant's tokens cannot be located; "
+                      "use data.loss_on=all or another template")
+    spans.append((len(start), len(upto)))
+  pieces, at = [], 0
+  for a, b in spans:
+    a = max(a, at)
+    if a > at:
+      pieces.append((full[at:a], False))
+    if b > a:
+      pieces.append((full[a:b], True))
+    at = max(at, b)
+  if at < len(full):
+    pieces.append((full[at:], False))
+  return pieces
+
+
+def record_pieces(template, record, loss_on, eos_id, where=""):
+  """[(text or token id, in the loss)] of one SFT record (`messages`, or `prompt` + `completion`).
+
+  A template with {% generation %} blocks marks the assistant's text itself (transformers'
+  `return_assistant_tokens_mask`); for others the spans come from rendering prefixes.
+  Plain-text prompt/completion is not templated (TRL's "standard" form): prompt + completion
+  + EOS, the loss on the completion and its EOS (or on everything with loss_on=all).
+  """
+  if not isinstance(record, dict):
+    raise UserError(f"{where}: expected a JSON object with `messages` or `prompt`/`completion`")
+  if "messages" in record:
+    return conversation_pieces(template, record["messages"], loss_on, where)
+  if "prompt" in record and "completion" in record:
+    prompt, completion = record["prompt"], record["completion"]
+    if isinstance(prompt, list) and isinstance(completion, list):  # conversational prompt-completion
+      _check_messages(prompt, where)
+      full = template.render(prompt + completion)
+      head = template.render(prompt, add_generation_prompt=True)
+      if not full.startswith(head):
+        raise UserError(f"{where}: chat template {template.name} does not render the prompt as a prefix of "
+                        "the conversation; use data.loss_on=all or another template")
+      return [(head, loss_on == "all"), (full[len(head):], True)]
+    if not isinstance(prompt, str) or not isinstance(completion, str):
+      raise UserError(f"{where}: `prompt` and `completion` must both be strings or both message lists")
+    return [(prompt, loss_on == "all"), (completion, True), (eos_id, True)]
+  raise UserError(f"{where}: a record needs `messages` or `prompt` and `completion` (keys: {', '.join(record)})")
+
+
+def encode_pieces(tokenizer, pieces, hf_tokenizer):
+  """Token ids [n] int32 and loss mask [n] uint8 of `pieces` (see `record_pieces`).
+
+  A tokenizer.json recognises its special tokens in text itself (as transformers does);
+  BOS_TEXT/EOS_TEXT (built-in templates, our tokenizers) become the model's BOS/EOS ids.
+  hf_tokenizer: kept for callers; the rule is the same for every tokenizer.
+  """
+  ids, mask = [], []
+  for piece, on in pieces:
+    if isinstance(piece, (int, np.integer)):
+      parts = [[int(piece)]]
+    else:  # BOS_TEXT / EOS_TEXT appear only where a built-in template (or our tokenizer) put them
+      parts = []
+      for k, chunk in enumerate(piece.split(EOS_TEXT)):
+        if k:
+          parts.append([tokenizer.eos_id])
+        for j, sub in enumerate(chunk.split(BOS_TEXT)):
+          if j:
+            parts.append([tokenizer.bos_id])
+          if sub:
+            parts.append(list(tokenizer.encode(sub)))
+    for p in parts:
+      ids.extend(p)
+      mask.extend([int(on)] * len(p))
+  return np.asarray(ids, np.int32), np.asarray(mask, np.uint8)
+
+
+def preference_pieces(template, record, eos_id, where=""):
+  """(chosen pieces, rejected pieces), each the whole sequence, of a DPO record: `prompt` (text or
+  messages) and `chosen`/`rejected` (text, or assistant message lists)."""
+  if not isinstance(record, dict) or not all(k in record for k in ("prompt", "chosen", "rejected")):
+    raise UserError(f"{where}: a preference record needs `prompt`, `chosen` and `rejected`")
+  prompt = record["prompt"]
+  out = []
+  for key in ("chosen", "rejected"):
+    answer = record[key]
+    if isinstance(prompt, list):  # conversational: the template renders prompt + answer
+      messages = prompt + (answer if isinstance(answer, list) else [{"role": "assistant", "content": answer}])
+      pieces = record_pieces(template, {"prompt": prompt, "completion": messages[len(prompt):]}, "completion",
+                             eos_id, where)
+    elif isinstance(prompt, str) and isinstance(answer, str):
+      pieces = [(prompt, False), (answer, True), (eos_id, True)]
+    else:
+      raise UserError(f"{where}: `prompt`, `chosen` and `rejected` must be strings, or a message list prompt")
+    out.append(pieces)
+  return tuple(out)
+
+
+def read_jsonl(path):
+  """Yields (where, record) for each non-blank line of a JSON-lines file; bad JSON is a one-line error."""
+  if not os.path.isfile(path):
+    raise UserError(f"data.chat_path={path}: file not found")
+  with open(path, encoding="utf-8") as f:
+    for n, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        yield f"{path}:{n}", json.loads(line)
+      except json.JSONDecodeError as e:
+        raise UserError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+
+
+# ----------------------------------------------------------------------------
+# Preparing once: records -> token and loss-mask shards (`jaxformer.shards`, fields side by side).
+
+
+def fields(cfg):
+  """The shard fields of the run's fine-tuning data: tokens and their loss mask, per side for DPO."""
+  if cfg.train.objective == "dpo":
+    return ("chosen", "chosen_mask", "rejected", "rejected_mask")
+  return ("text", "mask")
+
+
+class _LazyTemplate:
+  """The run's ChatTemplate, loaded when a record first needs one (plain prompt/completion needs none)."""
+
+  def __init__(self, load):
+    self._load, self._template = load, None
+
+  def __getattr__(self, name):
+    if self._template is None:
+      self._template = self._load()
+    return getattr(self._template, name)
+
+
+def _stat(path):
+  st = os.stat(path)
+  return [os.path.abspath(path), st.st_size, st.st_mtime_ns]
+
+
+def _settings(cfg, tok_path, template_text):
+  """What the shards depend on; a mismatch is a one-line error (`ensure_prepared`)."""
+  import hashlib
+  from jaxformer import prepare
+  d = cfg.data
+  return {"format": "chat-1", "objective": cfg.train.objective, "loss_on": d.loss_on,
+          "chat_path": _stat(d.chat_path) if os.path.isfile(d.chat_path) else d.chat_path,
+          "chat_val_path": _stat(d.chat_val_path) if d.chat_val_path and os.path.isfile(d.chat_val_path) else "",
+          "train_fraction": d.train_fraction, "add_bos": d.add_bos, "chat_template": d.chat_template,
+          "template_sha256": hashlib.sha256(template_text.encode()).hexdigest(),
+          "tokenizer_sha256": prepare.file_sha256(tok_path),
+          "ids": [cfg.model.pad_id, cfg.model.bos_id, cfg.model.eos_id]}
+
+
+def _template_text(cfg, tok_path, hf):
+  try:
+    return load_template(cfg.data.chat_template, tok_path, hf).text
+  except UserError:
+    return ""  # plain prompt/completion data needs no template; a record that does says so
+
+
+def encode_record(cfg, tokenizer, template, record, where, hf):
+  """Per field (ids [n], mask [n]) of one record: (text, mask) for SFT, both sides for DPO."""
+  d = cfg.data
+  if cfg.train.objective == "dpo":
+    sides = preference_pieces(template, record, tokenizer.eos_id, where)
+  else:
+    sides = (record_pieces(template, record, d.loss_on, tokenizer.eos_id, where),)
+  out = []
+  for pieces in sides:
+    ids, mask = encode_pieces(tokenizer, pieces, hf)
+    if d.add_bos and (not len(ids) or ids[0] != tokenizer.bos_id):  # Llama's convention, unless the template wrote it
+      ids, mask = np.concatenate([[tokenizer.bos_id], ids]), np.concatenate([[int(d.loss_on == "all")], mask])
+    out += [ids, mask]
+  return out
+
+
+def ensure_prepared(cfg, workdir, log=print):
+  """The manifest of the run's fine-tuning shards (`data.chat_path`), preparing them first if needed.
+
+  Splits: train, and val (data.chat_val_path, or a seeded 1 - data.train_fraction of the
+  records). Each record is one document of every field; an example with no loss token is
+  kept on disk, counted and reported (the batchers drop it); a split with none is an error.
+  """
+  from jaxformer import prepare, shards, sources, tokenizer as tokenizer_lib
+  d = cfg.data
+  ddir, tok_path = prepare.data_dir(cfg, workdir), prepare.tokenizer_path(cfg, workdir)
+  if tok_path != "byte" and not os.path.isfile(tok_path):
+    raise UserError(f"fine-tuning needs the model's tokenizer, and {tok_path} does not exist: set train.init_from="
+                    "WORKDIR (its tokenizer is copied), data.tokenizer_path=FILE or data.tokenizer=byte")
+  tokenizer = prepare.load_run_tokenizer(cfg, tok_path)
+  hf = isinstance(tokenizer, tokenizer_lib.HFTokenizer)
+  settings = _settings(cfg, tok_path, _template_text(cfg, tok_path, hf))
+  manifest = shards.read_manifest(ddir)
+  if manifest and manifest.get("complete"):
+    for key, value in settings.items():
+      if manifest.get("chat", {}).get("settings", {}).get(key) != value:
+        raise UserError(f"{ddir} was prepared with other fine-tuning data or settings ({key} differs): delete "
+                        f"{ddir} to prepare it again, or set data.data_dir to another folder")
+    return manifest
+  template = _LazyTemplate(lambda: load_template(d.chat_template, tok_path, hf))
+  names = fields(cfg)
+  dtype = shards.token_dtype(tokenizer.vocab_size)
+  os.makedirs(ddir, exist_ok=True)
+  records = {"train": [], "val": []}
+  rng = np.random.default_rng(sources.SEED)
+  for where, record in read_jsonl(d.chat_path):
+    held_out = not d.chat_val_path and rng.random() >= d.train_fraction
+    records["val" if held_out else "train"].append((where, record))
+  if d.chat_val_path:
+    records["val"] = list(read_jsonl(d.chat_val_path))
+  summary, counts = {}, {}
+  for split, items in records.items():
+    if not items:
+      continue
+    writer = prepare._Writer(ddir, split, names, dtype, d.shard_tokens, keep_text=False)
+    columns = [[] for _ in names]
+    for where, record in items:
+      for f, array in enumerate(encode_record(cfg, tokenizer, template, record, where, hf)):
+        columns[f].append(array)
+    masks = [m for f, ms in enumerate(columns) if names[f].endswith("mask") for m in ms]
+    n = len(items)
+    empty = sum(1 for k in range(n) if not any(columns[f][k][1:].any() for f in range(len(names))
+                                               if names[f].endswith("mask")))
+    counts[split] = {"examples": n, "empty_mask": empty, "tokens": int(sum(len(a) for a in columns[0])),
+                     "loss_tokens": int(sum(int(m.sum()) for m in masks))}
+    writer.add(np.arange(n, dtype=np.int64),
+               [(np.concatenate(c).astype(dtype), np.fromiter(map(len, c), np.int64, n)) for c in columns])
+    writer.close()
+    summary[split] = writer.summary()
+  if "train" not in counts or counts["train"]["empty_mask"] == counts["train"]["examples"]:
+    raise UserError(f"{d.chat_path}: no training example has a token to train on (data.loss_on={d.loss_on}"
+                    + (": no record has an assistant turn" if "train" in counts else ": no records") + ")")
+  for split, c in counts.items():
+    log(f"{split}: {c['examples']:,} examples, {c['tokens']:,} tokens, {c['loss_tokens']:,} in the loss "
+        f"(data.loss_on={d.loss_on}); {c['empty_mask']:,} with no loss token (no assistant turn) skipped")
+  manifest = {"format": shards.FORMAT, "complete": True, "dtype": dtype.name, "fields": list(names),
+              "splits": summary, "tokenizer": {"path": os.path.abspath(tok_path) if tok_path != "byte" else "byte",
+                                               "sha256": settings["tokenizer_sha256"],
+                                               "vocab_size": tokenizer.vocab_size},
+              "chat": {"settings": settings, "counts": counts}}
+  prepare._atomic_json(os.path.join(ddir, shards.MANIFEST), manifest)
+  return manifest
