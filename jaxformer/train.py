@@ -49,17 +49,20 @@ def make_train_step(model, task, cfg, tx, schedule):
   accum = cfg.optim.grad_accum_steps
   base_rng = jax.random.PRNGKey(cfg.train.seed)
 
+  moe = {"moe_coefs": (cfg.optim.moe_aux_loss, cfg.optim.moe_z_loss)} if cfg.model.moe_experts else {}
+
   def grads_of(params, batch, rng):
     def loss_fn(p):
-      loss, nll, weight = task.loss(model, p, batch, {"dropout": rng}, False, cfg.optim.label_smoothing)
-      return loss, (nll, weight)
-    (loss, (nll, weight)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    return grads, loss, nll, weight
+      loss, nll, weight, *stats = task.loss(model, p, batch, {"dropout": rng}, False, cfg.optim.label_smoothing,
+                                            **moe)
+      return loss, (nll, weight, stats)  # stats: [MoE router statistics] or []
+    (loss, (nll, weight, stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    return grads, loss, nll, weight, stats
 
   def train_step(state, batch):
     rng = jax.random.fold_in(base_rng, state["step"])
     if accum == 1:
-      grads, loss, nll, weight = grads_of(state["params"], batch, rng)
+      grads, loss, nll, weight, stats = grads_of(state["params"], batch, rng)
     else:
       micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
 
@@ -68,8 +71,11 @@ def make_train_step(model, task, cfg, tx, schedule):
         out = grads_of(state["params"], mb, jax.random.fold_in(rng, i))
         return jax.tree.map(jnp.add, carry, out), None
 
-      zeros = (jax.tree.map(jnp.zeros_like, state["params"]), 0.0, 0.0, 0.0)
-      (grads, loss, nll, weight), _ = jax.lax.scan(body, zeros, (jnp.arange(accum), micro))
+      no_stats = [{"load_balancing": 0.0, "z_loss": 0.0,
+                   "expert_fraction": jnp.zeros(cfg.model.moe_experts)}] if moe else []
+      zeros = (jax.tree.map(jnp.zeros_like, state["params"]), 0.0, 0.0, 0.0, no_stats)
+      (grads, loss, nll, weight, stats), _ = jax.lax.scan(body, zeros, (jnp.arange(accum), micro))
+      stats = jax.tree.map(lambda s: s / accum, stats)  # means over the micro-batches
     weight = jnp.maximum(weight, 1.0)
     grads = jax.tree.map(lambda g: g / weight, grads)
     grad_norm = optax.tree.norm(grads)
@@ -82,6 +88,8 @@ def make_train_step(model, task, cfg, tx, schedule):
                  "skipped": state["skipped"] + (~finite).astype(jnp.int32)}
     metrics = {"loss_sum": loss, "nll_sum": nll, "tokens": weight, "grad_norm": grad_norm,
                "lr": schedule(state["step"]), "finite": finite}
+    for name, value in (stats[0].items() if stats else ()):  # MoE: load_balancing, z_loss, expert_fraction
+      metrics[f"moe_{name}"] = value
     return new_state, metrics
 
   return train_step
@@ -104,7 +112,7 @@ def make_multi_step(train_step):
 def make_eval_step(model, task):
   """Returns `eval_step(params, batch) -> (loss_sum, nll_sum, tokens)` (no dropout, no smoothing)."""
   def eval_step(params, batch):
-    return task.loss(model, params, batch, {}, True, 0.0)
+    return task.loss(model, params, batch, {}, True, 0.0)[:3]  # (an MoE model's router statistics dropped)
   return eval_step
 
 
@@ -492,9 +500,16 @@ def _summarize(metrics_list):
   """Token-weighted means over the logged steps (entries may hold several steps each)."""
   m = {k: np.concatenate([np.ravel(x[k]) for x in metrics_list]).astype(np.float64) for k in metrics_list[0]}
   tokens = max(float(m["tokens"].sum()), 1.0)
-  return {"loss": float(m["loss_sum"].sum()) / tokens, "nll": float(m["nll_sum"].sum()) / tokens,
-          "lr": float(m["lr"][-1]), "grad_norm": float(m["grad_norm"].mean()),
-          "nonfinite": int((m["finite"] == 0).sum())}
+  summary = {"loss": float(m["loss_sum"].sum()) / tokens, "nll": float(m["nll_sum"].sum()) / tokens,
+             "lr": float(m["lr"][-1]), "grad_norm": float(m["grad_norm"].mean()),
+             "nonfinite": int((m["finite"] == 0).sum())}
+  for key in m:  # MoE router statistics: means over the logged steps, one scalar per expert's fraction
+    if key == "moe_expert_fraction":
+      fractions = np.concatenate([np.reshape(x[key], (-1, np.shape(x[key])[-1])) for x in metrics_list]).mean(0)
+      summary.update({f"moe_fraction_{e}": float(v) for e, v in enumerate(fractions)})
+    elif key.startswith("moe_"):
+      summary[key] = float(m[key].mean())
+  return summary
 
 
 def parse_args(argv):
