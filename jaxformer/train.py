@@ -154,7 +154,7 @@ class _StopFlag:
 def setup(cfg, workdir, log=print):
   """Builds mesh, task, model, optimizer and the (restored or fresh) sharded state."""
   mesh = sharding.make_mesh(cfg.mesh)
-  data_parallel = mesh.shape["data"] * mesh.shape["fsdp"]
+  data_parallel = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
   # Multi-host: process 0 trains the tokenizer and prepares the data (on first use) before
   # the others read them (a shared workdir would otherwise see concurrent writes).
   if jax.process_index() > 0:

@@ -174,3 +174,15 @@ def test_train_logs_the_aux_losses_and_fractions(tmp_path):
     assert abs(sum(r[f"moe_fraction_{e}"] for e in range(4)) - 1.0) < 1e-5
     # loss = nll + 0.1 x load balancing (every step has the same token count).
     assert abs(r["loss"] - r["nll"] - 0.1 * r["moe_load_balancing"]) < 1e-4 * r["loss"]
+
+
+def test_inspect_counts_mixtral_8x7b_total_and_active_parameters():
+  from jaxformer import inspect
+  cfg = config_lib.load_config("mixtral_8x7b")
+  assert inspect.count_parameters(cfg)["total"] == 46_702_792_704
+  assert inspect.active_parameters(cfg) == 12_879_925_248
+  # FLOPs count the active matmul weights: all of them but the input embedding table (a lookup).
+  p = inspect.matmul_parameters(cfg)
+  assert p["decoder"] + p["output"] == 12_879_925_248 - 32000 * 4096 - (2 * 32 + 1) * 4096
+  dense = config_lib.load_config("mixtral_8x7b", ["model.moe_experts=0"])
+  assert inspect.active_parameters(dense) == inspect.count_parameters(dense)["total"]
