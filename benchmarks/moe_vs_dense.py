@@ -38,7 +38,11 @@ class AllExperts(moe.MoEFeedForward):
 
   @nn.compact
   def __call__(self, x, deterministic=True):
-    return moe.dense_reference(self.variables["params"], self.cfg, x)  # params from the dropless init
+    params = self.variables["params"]  # the dropless model's
+    logits = x.reshape(-1, x.shape[-1]) @ params["router"]["kernel"]
+    _, top_e, probs = moe.route(logits, self.cfg.moe_top_k)
+    moe.sow_router_statistics(self, logits, top_e, probs)
+    return moe.dense_reference(params, self.cfg, x)
 
 
 def train_variants(steps, out):

@@ -4,8 +4,9 @@ Each token's router probabilities p = softmax(x W_router) [experts] pick its top
 experts; their probabilities, renormalised to sum to 1 (Mixtral), weight the experts' outputs.
 
 Dropless (model.moe_capacity_factor=0, the default): the token copies are sorted by expert
-and each expert's rows go through one grouped matmul (`jax.lax.ragged_dot`); no token is ever
-dropped and only the active experts' work is done.
+and each expert's rows go through one grouped matmul (`jax.lax.ragged_dot` on TPU/GPU; on CPU,
+where that lowers to every expert on every row, padded blocks: `grouped_matmul`); no token is
+ever dropped and only the active experts' work is done.
 
 Capacity mode (model.moe_capacity_factor=c > 0): each expert takes at most
 C = ceil(c * tokens * top_k / experts) token copies per call (tokens = batch x length of
@@ -71,6 +72,40 @@ def capacity_slots(top_e, num_experts, cap):
   return rank, rank < cap
 
 
+# Rows per block of the CPU grouped matmul: each expert's group is padded to a multiple of it.
+CPU_BLOCK = 32
+
+
+def grouped_matmul(x, w, group_sizes, impl="auto"):
+  """x [rows, in] sorted by group, w [groups, in, out], group_sizes [groups] -> [rows, out] float32:
+  rows of group g times w[g]. sum(group_sizes) == rows.
+
+  "ragged_dot": `jax.lax.ragged_dot`, a grouped-matmul kernel on TPU and GPU; but XLA:CPU has
+  none, and jax lowers it there (jax/_src/lax/lax.py, `_ragged_dot_general_impl`) to a dense
+  product of every row with every group's weight under a mask: `groups` times the work.
+  "blocks" (what "auto" picks on CPU): each group is padded to a multiple of CPU_BLOCK rows and
+  every block runs one batched matmul against its group's weight, gathered per block: the
+  active work plus at most groups x (CPU_BLOCK - 1) padding rows.
+  """
+  if impl == "auto":
+    impl = "blocks" if jax.default_backend() == "cpu" else "ragged_dot"
+  if impl == "ragged_dot":
+    return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
+  rows, groups, b = x.shape[0], w.shape[0], CPU_BLOCK
+  blocks = -(-rows // b) + groups  # enough for any split of `rows` into `groups` padded groups
+  ends = jnp.cumsum(group_sizes)
+  starts = ends - group_sizes
+  padded = -(-group_sizes // b) * b
+  padded_starts = jnp.cumsum(padded) - padded
+  group = jnp.searchsorted(ends, jnp.arange(rows), side="right")  # each (sorted) row's group
+  dest = padded_starts[group] + jnp.arange(rows) - starts[group]
+  x_blocks = jnp.zeros((blocks * b, x.shape[1]), x.dtype).at[dest].set(x, unique_indices=True)
+  block_group = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded), jnp.arange(blocks) * b, side="right"), groups - 1)
+  out = jnp.einsum("bri,bio->bro", x_blocks.reshape(blocks, b, -1), w[block_group],
+                   preferred_element_type=jnp.float32)
+  return out.reshape(blocks * b, -1)[dest]
+
+
 class MoEFeedForward(nn.Module):
   """Top-k routed expert FFNs (+ optional shared experts), [batch, length, d_model] -> same shape.
 
@@ -118,19 +153,26 @@ class MoEFeedForward(nn.Module):
       order = jnp.argsort(flat_e, stable=True)
       group_sizes = jnp.bincount(flat_e, length=num_e).astype(jnp.int32)
       rows = tokens[order // k].astype(dtype)  # token copies sorted by expert
-      out = ffn(rows, lambda h, w: jax.lax.ragged_dot(h, w, group_sizes, preferred_element_type=jnp.float32))
+      out = ffn(rows, lambda h, w: grouped_matmul(h, w, group_sizes))
       copies = jnp.zeros_like(out).at[order].set(out, unique_indices=True)  # back to [n * k] order
     y = jnp.einsum("nkd,nk->nd", copies.reshape(n, k, d), weights.astype(copies.dtype))
     y = y.astype(cfg.dtype).reshape(batch, length, d)
 
-    fraction = jnp.mean(jnp.sum(jax.nn.one_hot(top_e, num_e, dtype=jnp.float32), axis=1), axis=0) / k
-    self.sow("intermediates", "load_balancing", num_e * k * jnp.sum(fraction * jnp.mean(probs, axis=0)))
-    self.sow("intermediates", "z_loss", jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2))
-    self.sow("intermediates", "expert_fraction", fraction)
+    sow_router_statistics(self, logits, top_e, probs)
     if cfg.moe_shared_experts:
       shared = dataclasses.replace(cfg, d_ff=cfg.moe_shared_experts * cfg.d_ff, use_bias=False)
       y = y + layers.FeedForward(shared, name="shared")(x, deterministic)
     return y
+
+
+def sow_router_statistics(module, logits, top_e, probs):
+  """Sows load_balancing, z_loss and expert_fraction [experts] (see the module docstring) from
+  the router's logits, probs [tokens, experts] and choices top_e [tokens, top_k]."""
+  num_e, k = probs.shape[-1], top_e.shape[-1]
+  fraction = jnp.mean(jnp.sum(jax.nn.one_hot(top_e, num_e, dtype=jnp.float32), axis=1), axis=0) / k
+  module.sow("intermediates", "load_balancing", num_e * k * jnp.sum(fraction * jnp.mean(probs, axis=0)))
+  module.sow("intermediates", "z_loss", jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2))
+  module.sow("intermediates", "expert_fraction", fraction)
 
 
 def _activation(cfg, hidden):

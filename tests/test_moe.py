@@ -186,3 +186,18 @@ def test_inspect_counts_mixtral_8x7b_total_and_active_parameters():
   assert p["decoder"] + p["output"] == 12_879_925_248 - 32000 * 4096 - (2 * 32 + 1) * 4096
   dense = config_lib.load_config("mixtral_8x7b", ["model.moe_experts=0"])
   assert inspect.active_parameters(dense) == inspect.count_parameters(dense)["total"]
+
+
+@pytest.mark.parametrize("sizes", [(5, 0, 40, 3), (0, 0, 48, 0), (12, 12, 12, 12)])
+def test_grouped_matmul_blocks_and_ragged_dot_equal_a_per_group_loop(sizes):
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(sum(sizes), 6)).astype(np.float32)
+  w = rng.normal(size=(len(sizes), 6, 5)).astype(np.float32)
+  want = np.concatenate([x[a:a + n] @ w[g] for g, (a, n) in enumerate(zip(np.cumsum((0,) + sizes), sizes))])
+  sizes = jnp.asarray(sizes, jnp.int32)
+  for impl in ("blocks", "ragged_dot"):
+    np.testing.assert_allclose(moe.grouped_matmul(x, w, sizes, impl), want, atol=1e-5, rtol=1e-5)
+  gx, gw = jax.grad(lambda x, w: jnp.sum(moe.grouped_matmul(x, w, sizes, "blocks") ** 2), argnums=(0, 1))(x, w)
+  rx, rw = jax.grad(lambda x, w: jnp.sum(moe.grouped_matmul(x, w, sizes, "ragged_dot") ** 2), argnums=(0, 1))(x, w)
+  np.testing.assert_allclose(gx, rx, atol=1e-4, rtol=1e-5)
+  np.testing.assert_allclose(gw, rw, atol=1e-4, rtol=1e-5)
