@@ -1,6 +1,6 @@
 """Does MoE pay on this CPU? An 8-expert top-2 LM against the dense LM with the same active parameters.
 
-    python benchmarks/moe_vs_dense.py [--steps 600] [--rounds 5] [--out /tmp/moe_vs_dense]
+    python benchmarks/moe_vs_dense.py [--steps 600] [--rounds 5] [--out /tmp/moe_vs_dense] [overrides ...]
 
 Tiny Shakespeare, `shakespeare_char` (dense, d_ff 512) against `moe_shakespeare` (8 experts of
 d_ff 256, top 2: the same FFN weights per token), same data, steps, tokens and schedule:
@@ -45,14 +45,14 @@ class AllExperts(moe.MoEFeedForward):
     return moe.dense_reference(params, self.cfg, x)
 
 
-def train_variants(steps, out):
+def train_variants(steps, out, overrides=()):
   """{variant: dict(val_nll curve, fractions)} from train.train_and_evaluate runs."""
   results = {}
   for name, (recipe, extra) in VARIANTS.items():
     every = max(steps // 6, 1)
     cfg = config_lib.load_config(recipe, [f"train.num_steps={steps}", f"train.eval_every={every}",
                                           f"train.log_every={every}", "train.checkpoint_every=100000",
-                                          "train.sample_every_eval=false", *extra])
+                                          "train.sample_every_eval=false", *overrides, *extra])
     workdir = os.path.join(out, name)
     t0 = time.time()
     train.train_and_evaluate(cfg, workdir, log=lambda *a: None)
@@ -125,10 +125,11 @@ def main(argv=None):
   parser.add_argument("--steps-per-round", type=int, default=10)
   parser.add_argument("--out", default="/tmp/moe_vs_dense")
   parser.add_argument("--skip-training", action="store_true")
+  parser.add_argument("overrides", nargs="*", help="for every variant's training run, e.g. optim.warmup_steps=20")
   args = parser.parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
   print(f"load average {os.getloadavg()}", flush=True)
-  results = {} if args.skip_training else train_variants(args.steps, args.out)
+  results = {} if args.skip_training else train_variants(args.steps, args.out, args.overrides)
   print("step time (one process, interleaved rounds):", flush=True)
   timing = time_steps(args.rounds, args.steps_per_round, args.out)
   print(f"load average {os.getloadavg()}", flush=True)
