@@ -79,7 +79,7 @@ def test_checkpoint_restores_under_another_mesh_and_training_continues(results):
 
 
 def test_rule_table_is_small_and_maps_to_mesh_axes():
-  assert len(sharding.RULES) <= 10
+  assert len(sharding.RULES) <= 11  # ~10 (developer guide); the 11th is MoE's `expert` (issue 27)
   for _, axes in sharding.RULES:
     names = axes if isinstance(axes, tuple) else (axes,) if axes else ()
     assert set(names) <= set(sharding.MESH_AXES)
