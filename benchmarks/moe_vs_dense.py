@@ -45,10 +45,11 @@ class AllExperts(moe.MoEFeedForward):
     return moe.dense_reference(params, self.cfg, x)
 
 
-def train_variants(steps, out, overrides=()):
+def train_variants(steps, out, overrides=(), names=tuple(VARIANTS)):
   """{variant: dict(val_nll curve, fractions)} from train.train_and_evaluate runs."""
   results = {}
-  for name, (recipe, extra) in VARIANTS.items():
+  for name in names:
+    recipe, extra = VARIANTS[name]
     every = max(steps // 6, 1)
     cfg = config_lib.load_config(recipe, [f"train.num_steps={steps}", f"train.eval_every={every}",
                                           f"train.log_every={every}", "train.checkpoint_every=100000",
@@ -125,13 +126,18 @@ def main(argv=None):
   parser.add_argument("--steps-per-round", type=int, default=10)
   parser.add_argument("--out", default="/tmp/moe_vs_dense")
   parser.add_argument("--skip-training", action="store_true")
+  parser.add_argument("--variants", default=",".join(VARIANTS), help="which training runs (comma-separated)")
+  parser.add_argument("--skip-timing", action="store_true")
   parser.add_argument("overrides", nargs="*", help="for every variant's training run, e.g. optim.warmup_steps=20")
   args = parser.parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
   print(f"load average {os.getloadavg()}", flush=True)
-  results = {} if args.skip_training else train_variants(args.steps, args.out, args.overrides)
-  print("step time (one process, interleaved rounds):", flush=True)
-  timing = time_steps(args.rounds, args.steps_per_round, args.out)
+  results = {} if args.skip_training else train_variants(args.steps, args.out, args.overrides,
+                                                            args.variants.split(","))
+  timing = {}
+  if not args.skip_timing:
+    print("step time (one process, interleaved rounds):", flush=True)
+    timing = time_steps(args.rounds, args.steps_per_round, args.out)
   print(f"load average {os.getloadavg()}", flush=True)
   with open(os.path.join(args.out, "results.json"), "w") as f:
     json.dump({"training": results, "timing": timing, "steps": args.steps}, f, indent=1)
