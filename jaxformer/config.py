@@ -68,6 +68,11 @@ class ModelConfig:
   scan_layers: bool = False         # the blocks of each stack under nn.scan, params stacked on a `layers` axis
   remat: str = "none"               # none | full | dots_saveable | dots_with_no_batch_dims_saveable (per block)
   logits_chunk: int = 0             # > 0: output projection + loss over this many tokens at a time; 0: automatic
+  moe_experts: int = 0              # > 0: mixture-of-experts FFNs with this many experts (decoder_only; jaxformer.moe)
+  moe_top_k: int = 2                # experts per token (Mixtral: 2)
+  moe_shared_experts: int = 0       # experts of d_ff every token also passes through (DeepSeek), as one FFN
+  moe_every: int = 1                # layers i with i % moe_every == moe_every - 1 are MoE (2: every other layer)
+  moe_capacity_factor: float = 0.0  # 0: dropless (ragged_dot); c > 0: ceil(c x tokens x top_k / experts) per expert
 
   @property
   def kv_heads(self) -> int:
@@ -144,6 +149,8 @@ class OptimConfig:
   grad_clip: float = 0.0            # global-norm clipping; 0 = off (paper)
   grad_accum_steps: int = 1
   label_smoothing: float = 0.1
+  moe_aux_loss: float = 0.01        # load-balancing loss coefficient (Switch: 0.01), per target token
+  moe_z_loss: float = 0.0           # router z-loss coefficient (ST-MoE: 0.001)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +184,7 @@ class MeshConfig:
   data: int = -1
   fsdp: int = 1
   tensor: int = 1
+  expert: int = 1                   # MoE experts sharded over this axis (the batch too)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,6 +349,8 @@ def _validate(cfg):
     raise UserError(f"model.d_model={m.d_model} must be divisible by model.num_heads={m.num_heads} (or set model.head_dim)")
   if m.logits_chunk < 0:
     raise UserError(f"model.logits_chunk={m.logits_chunk} must be >= 0 (0: automatic, see README)")
+  if m.moe_experts:
+    _validate_moe(cfg)
   if cfg.data.task not in ("translation", "lm"):
     raise UserError(f"data.task={cfg.data.task!r}: choose translation or lm")
   for field, allowed in (("doc_per", ("file", "line")), ("packing", ("random_windows", "packed"))):
@@ -487,6 +497,24 @@ def _validate_ranges(cfg):
   if m.rope_scaling == "llama3" and not m.rope_high_freq_factor > m.rope_low_freq_factor:
     raise UserError(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must be larger than "
                     f"model.rope_low_freq_factor={m.rope_low_freq_factor} (llama3 divides by their difference)")
+
+
+def _validate_moe(cfg):
+  """The MoE fields (model.moe_*), when model.moe_experts > 0."""
+  m = cfg.model
+  if m.moe_experts < 0 or m.arch != "decoder_only":
+    raise UserError(f"model.moe_experts={m.moe_experts}: mixture of experts needs model.arch=decoder_only"
+                    " and a positive expert count (0 = dense)")
+  if not 1 <= m.moe_top_k <= m.moe_experts:
+    raise UserError(f"model.moe_top_k={m.moe_top_k} must be between 1 and model.moe_experts={m.moe_experts}")
+  if m.moe_every < 1 or m.moe_every > m.num_layers:
+    raise UserError(f"model.moe_every={m.moe_every} must be between 1 and model.num_layers={m.num_layers}")
+  if m.scan_layers and m.moe_every != 1:
+    raise UserError(f"model.scan_layers=true scans one block: it needs model.moe_every=1 (got {m.moe_every})")
+  if m.moe_shared_experts < 0 or m.moe_capacity_factor < 0:
+    raise UserError("model.moe_shared_experts and model.moe_capacity_factor must be >= 0")
+  if cfg.mesh.expert > 1 and m.moe_experts % cfg.mesh.expert:
+    raise UserError(f"model.moe_experts={m.moe_experts} must be a multiple of mesh.expert={cfg.mesh.expert}")
 
 
 def to_dict(cfg):

@@ -24,6 +24,7 @@ import numpy as np
 from flax import traverse_util
 
 from jaxformer import losses
+from jaxformer import moe
 from jaxformer import sharding
 from jaxformer.config import ModelConfig, load_config
 from jaxformer.errors import UserError, cli
@@ -122,7 +123,7 @@ def _component(path):
     return "norms"
   if "logits" in path:
     return "output"
-  if "ffn" in path:
+  if "ffn" in path or "moe" in path:  # an MoE layer's router, experts and shared experts count as its FFN
     return "ffn"
   if "self_attention" in path or "cross_attention" in path:
     return "attention"
@@ -139,6 +140,20 @@ def count_parameters(cfg):
   return counts
 
 
+def _expert_share(m: ModelConfig, path):
+  """The fraction of a parameter one token uses: top_k / experts for MoE expert weights, else 1."""
+  if "moe" in path and path[-1] in moe.EXPERT_PARAMS:
+    return m.moe_top_k / m.moe_experts
+  return 1.0
+
+
+def active_parameters(cfg):
+  """Parameters one token passes through: all but the (experts - top_k) unchosen experts of
+  each MoE layer (Mixtral 8x7B: 12.9B of 46.7B). Equals the total for a dense model."""
+  m = _model_cfg(cfg)
+  return int(round(sum(math.prod(shape) * _expert_share(m, path) for path, shape in _shapes(m).items())))
+
+
 def matmul_parameters(cfg):
   """Kernel weights used per token: dict(encoder, decoder, decoder_step, output).
 
@@ -149,9 +164,9 @@ def matmul_parameters(cfg):
   m = _model_cfg(cfg)
   counts = dict(encoder=0, decoder=0, decoder_step=0, output=0 if not m.tie_output else m.vocab_size * m.d_model)
   for path, shape in _shapes(m).items():
-    if path[-1] != "kernel":
+    if path[-1] != "kernel" and _expert_share(m, path) == 1.0:
       continue
-    n = math.prod(shape)
+    n = int(round(math.prod(shape) * _expert_share(m, path)))  # MoE experts: the active ones only
     if path[0] == "logits":
       counts["output"] += n
     elif path[0] == "encoder":
@@ -273,7 +288,7 @@ def block_residual_bytes(m: ModelConfig, rows, length, causal=True, cross=False,
   """Bytes one block keeps for its backward pass (under m.remat) for `rows` x `length` tokens,
   counted from the block's own residuals (`jax.vjp` traced under eval_shape): its parameters
   and the inputs every layer shares (segments, positions, the encoder output) are left out."""
-  block = block_class(m)(m, causal, cross)
+  block = block_class(m)(m, causal, cross, moe=m.moe_experts > 0)  # (MoE: as if every layer were)
   x = jnp.zeros((rows, length, m.d_model), m.dtype)
   ints = jnp.zeros((rows, length), jnp.int32)
   enc = jnp.zeros((rows, src_len, m.d_model), m.dtype) if cross else None
@@ -303,10 +318,11 @@ def memory_plan(cfg, mesh, rows, lengths):
     layers, plus, with remat, what one layer recomputes while its backward pass runs;
   - logits: the float32 logits and their gradient for the tokens processed at once (all of
     them, or one chunk of model.logits_chunk), plus a bf16 copy when model.dtype is bf16.
-  Rows are split over data x fsdp; tensor parallelism divides parameters only here.
+  Rows are split over data x fsdp x expert; tensor parallelism divides parameters only here,
+  expert parallelism the MoE experts (and the rows).
   """
   m, sizes = cfg.model, _mesh_sizes(mesh)
-  shards = sizes["data"] * sizes["fsdp"]
+  shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
   rows_dev = -(-rows // shards)
   src, tgt = (lengths[0], lengths[-1])
   params = parameter_bytes_per_device(cfg, sizes)
@@ -335,7 +351,7 @@ def largest_batch(cfg, mesh, lengths, device_bytes):
   The plan grows linearly with the batch (a chunked loss's logits aside), so two plans give
   the estimate, and exact plans step it down until it fits.
   """
-  shards = _mesh_sizes(mesh)["data"] * _mesh_sizes(mesh)["fsdp"]
+  shards = _mesh_sizes(mesh)["data"] * _mesh_sizes(mesh)["fsdp"] * _mesh_sizes(mesh)["expert"]
   total = lambda b: memory_plan(cfg, mesh, b * shards, lengths)["total"]
   one, two = total(1), total(2)
   if one > device_bytes:
@@ -349,11 +365,11 @@ def largest_batch(cfg, mesh, lengths, device_bytes):
 def memory_report(cfg, mesh, rows, lengths):
   """The CLI's training-memory section: the plan, and the fit against DEVICE_MEMORY_GB."""
   m, sizes = cfg.model, _mesh_sizes(mesh)
-  shards = sizes["data"] * sizes["fsdp"]
+  shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
   plan = memory_plan(cfg, sizes, rows, lengths)
   chunk = losses.logits_chunk(m.logits_chunk, rows * lengths[-1], m.vocab_size, shards)
   shape = " + ".join(str(n) for n in lengths)
-  lines = [f"Training memory per device: mesh {' x '.join(f'{a}={n}' for a, n in sizes.items())}, batch {rows:,} x "
+  lines = [f"Training memory per device: mesh {' x '.join(f'{a}={n}' for a, n in sizes.items() if a != 'expert' or n > 1)}, batch {rows:,} x "
            f"{shape} tokens ({-(-rows // shards):,} sequences per device), remat {m.remat}, "
            f"scan_layers {str(m.scan_layers).lower()}, logits {f'in chunks of {chunk:,} tokens' if chunk else 'whole'}"]
   notes = {"params": "float32, sharded by the rules", "grads": "float32, one per parameter",
@@ -399,6 +415,10 @@ def report(cfg, dtype="bfloat16", batch=1, contexts=(4096, 32768), seq_len=None)
       lines.append(f"  {key:<12}{n:>16,}  {100 * n / total:5.1f}%")
   lines.append(f"  {'total':<12}{total:>16,}  ({_si(total * _itemsize(dtype), 'B')} in {dtype})")
   lines.append(f"  FFN share: {100 * counts['ffn'] / total:.1f}%")
+  if m.moe_experts:
+    active = active_parameters(cfg)
+    lines.append(f"  active per token: {active:,} ({m.moe_top_k} of {m.moe_experts} experts"
+                 f"{f' + {m.moe_shared_experts} shared' if m.moe_shared_experts else ''}; FLOPs below count these)")
 
   flops = flops_per_token(cfg, seq_len)
   p = matmul_parameters(cfg)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from jaxformer.config import ModelConfig
 from jaxformer import layers
+from jaxformer import moe as moe_lib
 
 
 def _default_segments(ids, segment, pad_id=0):
@@ -44,6 +45,7 @@ class Block(nn.Module):
   causal: bool = False
   cross: bool = False
   scan_body: bool = False
+  moe: bool = False  # the FFN is `moe.MoEFeedForward` (see moe.is_moe_layer)
 
   @nn.compact
   def __call__(self, x, segment, position, encoded=None, encoded_segment=None,
@@ -66,7 +68,7 @@ class Block(nn.Module):
       x = sublayer(x, lambda y: cross_attention(y, segment, position, encoded, encoded_segment,
                                                 None, deterministic=deterministic, decode=decode),
                    "cross_attention")
-    ffn = layers.FeedForward(cfg, name="ffn")
+    ffn = moe_lib.MoEFeedForward(cfg, name="moe") if self.moe else layers.FeedForward(cfg, name="ffn")
     x = sublayer(x, lambda y: ffn(y, deterministic), "ffn")
     x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
     return (x, None) if self.scan_body else x
@@ -114,13 +116,15 @@ class Stack(nn.Module):
     if cfg.scan_layers:
       # One traced block, run num_layers times: its parameters (and KV cache) are stacked
       # on a leading `layers` axis; every argument but x is the same for all layers.
-      layer_stack = nn.scan(block_class(cfg), variable_axes={"params": 0, "cache": 0},
+      # (intermediates: the MoE router statistics of each layer, see moe.aux_losses.)
+      layer_stack = nn.scan(block_class(cfg), variable_axes={"params": 0, "cache": 0, "intermediates": 0},
                             split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,) * len(args),
                             length=self.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
-      x, _ = layer_stack(cfg, self.causal, self.cross, scan_body=True, name="layers")(x, *args)
+      x, _ = layer_stack(cfg, self.causal, self.cross, scan_body=True, moe=moe_lib.is_moe_layer(cfg, 0),
+                         name="layers")(x, *args)
     else:
       for i in range(self.num_layers):
-        x = block_class(cfg)(cfg, self.causal, self.cross, name=f"layer_{i}")(x, *args)
+        x = block_class(cfg)(cfg, self.causal, self.cross, moe=moe_lib.is_moe_layer(cfg, i), name=f"layer_{i}")(x, *args)
     if cfg.norm_position == "pre":
       x = layers.norm(cfg, "final_norm")(x)
     return x

@@ -1,9 +1,10 @@
 """Device mesh and the logical-axis rule table.
 
 Model code names axes (`batch`, `embed`, `heads`, ...); this table maps them to the
-mesh axes `data`, `fsdp`, `tensor`. FSDP shards parameters and optimizer state over
+mesh axes `data`, `fsdp`, `tensor`, `expert`. FSDP shards parameters and optimizer state over
 `fsdp`; tensor parallelism splits heads and the FFN hidden dimension over `tensor`;
-the batch is split over `data` x `fsdp`.
+expert parallelism splits MoE experts over `expert`; the batch is split over
+`data` x `fsdp` x `expert`.
 
 Parameters get their shardings from `logical_sharding`; activations are pinned by
 `nn.with_logical_constraint` in the model, which binds only while `use_mesh` is
@@ -20,10 +21,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxformer.config import MeshConfig
 from jaxformer.errors import UserError
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
 RULES = (
-    ("batch", ("data", "fsdp")),
+    ("batch", ("data", "fsdp", "expert")),  # outside the MoE layers the expert axis is data parallel
     ("vocab", "tensor"),
     ("embed", "fsdp"),
     ("heads", "tensor"),
@@ -32,23 +33,24 @@ RULES = (
     ("kv", None),
     ("length", None),
     ("norm", None),
+    ("expert", "expert"),  # MoE: each device of the expert axis holds its share of the experts
     ("layers", None),  # model.scan_layers: the stacked layer axis; each device holds its share of every layer
 )
 
 
 def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
-  """A (data, fsdp, tensor) mesh over `devices` (default: all); one -1 axis takes the rest."""
+  """A (data, fsdp, tensor, expert) mesh over `devices` (default: all); one -1 axis takes the rest."""
   devices = jax.devices() if devices is None else devices
-  sizes = [cfg.data, cfg.fsdp, cfg.tensor]
+  sizes = [cfg.data, cfg.fsdp, cfg.tensor, cfg.expert]
   fixed = int(np.prod([s for s in sizes if s != -1]))
   if sizes.count(-1) > 1:
-    raise UserError("at most one of mesh.data/mesh.fsdp/mesh.tensor may be -1")
+    raise UserError("at most one of mesh.data/mesh.fsdp/mesh.tensor/mesh.expert may be -1")
   if -1 in sizes:
     if len(devices) % fixed:
       raise UserError(f"{len(devices)} devices cannot be split into mesh axes of size {sizes}")
     sizes[sizes.index(-1)] = len(devices) // fixed
   if int(np.prod(sizes)) != len(devices):
-    raise UserError(f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} needs "
+    raise UserError(f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} x expert={sizes[3]} needs "
                     f"{int(np.prod(sizes))} devices; {len(devices)} are available")
   return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
 
@@ -76,8 +78,8 @@ def logical_sharding(boxed_tree, mesh: Mesh):
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Leading (batch) axis over data x fsdp; everything else replicated."""
-  return NamedSharding(mesh, P(("data", "fsdp")))
+  """Leading (batch) axis over data x fsdp x expert; everything else replicated."""
+  return NamedSharding(mesh, P(("data", "fsdp", "expert")))
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ from jaxformer import chat
 from jaxformer import data as data_lib
 from jaxformer import layers
 from jaxformer import losses
+from jaxformer import moe
 from jaxformer import prepare
 from jaxformer import shards
 from jaxformer import sources
@@ -192,37 +193,54 @@ class LMTask:
     return int(np.prod(batch["inputs"].shape))
 
   @staticmethod
-  def loss(model, params, batch, rngs, deterministic, label_smoothing):
-    """(smoothed loss sum, NLL sum, target count); a batch's `weights` [batch, length] (SFT's loss
-    mask) selects the targets, else every target counts."""
+  def loss(model, params, batch, rngs, deterministic, label_smoothing, moe_coefs=(0.0, 0.0)):
+    """(smoothed loss sum, NLL sum, target count[, MoE router statistics]): see `model_loss`; a batch's
+    `weights` [batch, length] (SFT's loss mask) selects the targets, else every target counts."""
     args = (batch["inputs"], batch.get("segment_ids"), batch.get("positions"))
     weights = (batch["weights"].astype(jnp.float32) if "weights" in batch
                else jnp.ones(batch["targets"].shape, jnp.float32))
-    return model_loss(model, params, args, rngs, deterministic, batch["targets"], weights, label_smoothing)
+    return model_loss(model, params, args, rngs, deterministic, batch["targets"], weights, label_smoothing,
+                      moe_coefs)
 
   @staticmethod
   def init_inputs(batch):
     return (batch["inputs"],)
 
 
-def model_loss(model, params, args, rngs, deterministic, targets, weights, label_smoothing):
+def model_loss(model, params, args, rngs, deterministic, targets, weights, label_smoothing, moe_coefs=(0.0, 0.0)):
   """`losses.cross_entropy` of `model.apply(params, *args)` against targets, weights [batch, length].
 
   With model.logits_chunk set (or automatic, see `losses.logits_chunk`) the model stops
   at its final hidden states and `losses.chunked_cross_entropy` projects them a chunk at
   a time, so the whole logits never exist.
+
+  An MoE model (model.moe_experts > 0) returns a fourth item, its router statistics
+  (`moe.aux_losses`), and its smoothed loss sum gains (aux x load_balancing + z x z_loss) x
+  the weight sum, moe_coefs = (optim.moe_aux_loss, optim.moe_z_loss): per target token, like the loss.
   """
   variables = {"params": params}
-  mesh = jax.sharding.get_abstract_mesh()  # the batch is split over data x fsdp while a step is traced
-  batch_shards = math.prod(mesh.shape.get(axis, 1) for axis in ("data", "fsdp")) if mesh.shape else 1
+  mesh = jax.sharding.get_abstract_mesh()  # the batch is split over data x fsdp x expert while a step is traced
+  batch_shards = math.prod(mesh.shape.get(axis, 1) for axis in ("data", "fsdp", "expert")) if mesh.shape else 1
   chunk = losses.logits_chunk(model.cfg.logits_chunk, targets.size, model.cfg.vocab_size, batch_shards)
+  is_moe = model.cfg.moe_experts > 0
+  apply = functools.partial(model.apply, variables, *args, deterministic=deterministic, rngs=rngs,
+                            **({"mutable": ["intermediates"]} if is_moe else {}))
   if not chunk:
-    logits = model.apply(variables, *args, deterministic=deterministic, rngs=rngs)
-    return losses.cross_entropy(logits, targets, weights, label_smoothing)
-  hidden = model.apply(variables, *args, deterministic=deterministic, rngs=rngs, project=False)
-  weights_and_bias, spec = model.apply(variables, method="output_weight")
-  project = lambda h, wb: layers.project_logits(h, wb[0], spec, model.cfg, bias=wb[1])
-  return losses.chunked_cross_entropy(hidden, weights_and_bias, targets, weights, label_smoothing, chunk, project)
+    out = apply()
+    logits, sown = out if is_moe else (out, None)
+    result = losses.cross_entropy(logits, targets, weights, label_smoothing)
+  else:
+    out = apply(project=False)
+    hidden, sown = out if is_moe else (out, None)
+    weights_and_bias, spec = model.apply(variables, method="output_weight")
+    project = lambda h, wb: layers.project_logits(h, wb[0], spec, model.cfg, bias=wb[1])
+    result = losses.chunked_cross_entropy(hidden, weights_and_bias, targets, weights, label_smoothing, chunk, project)
+  if not is_moe:
+    return result
+  stats = moe.aux_losses(sown.get("intermediates", {}))
+  loss, nll, weight = result
+  loss = loss + (moe_coefs[0] * stats["load_balancing"] + moe_coefs[1] * stats["z_loss"]) * weight
+  return loss, nll, weight, stats
 
 
 class _FineTuning:

@@ -50,12 +50,16 @@ def make_train_step(model, task, cfg, tx, schedule):
   base_rng = jax.random.PRNGKey(cfg.train.seed)
   dpo = cfg.train.objective == "dpo"
 
+  moe = {"moe_coefs": (cfg.optim.moe_aux_loss, cfg.optim.moe_z_loss)} if cfg.model.moe_experts else {}
+
   def grads_of(params, batch, rng, reference):
     def loss_fn(p):
       if dpo:  # the second objective: a preference loss against the frozen reference params
         return task.preference_loss(model, p, reference, batch, {"dropout": rng}, False, cfg.train.dpo_beta)
-      loss, nll, weight = task.loss(model, p, batch, {"dropout": rng}, False, cfg.optim.label_smoothing)
-      return loss, {"nll_sum": nll, "tokens": weight}
+      loss, nll, weight, *stats = task.loss(model, p, batch, {"dropout": rng}, False, cfg.optim.label_smoothing,
+                                            **moe)
+      # stats: [MoE router statistics: load_balancing, z_loss, expert_fraction] or []
+      return loss, {"nll_sum": nll, "tokens": weight, **{f"moe_{k}": v for k, v in (stats[0] if stats else {}).items()}}
     (loss, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     return grads, loss, sums
 
@@ -75,6 +79,7 @@ def make_train_step(model, task, cfg, tx, schedule):
       zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(grads_of, state["params"], jax.tree.map(lambda x: x[0], micro),
                                                           rng, reference))
       (grads, loss, sums), _ = jax.lax.scan(body, zeros, (jnp.arange(accum), micro))
+      sums = {k: v / accum if k.startswith("moe_") else v for k, v in sums.items()}  # MoE: means over micro-batches
     weight = jnp.maximum(sums["tokens"], 1.0)
     grads = jax.tree.map(lambda g: g / weight, grads)
     grad_norm = optax.tree.norm(grads)
@@ -89,6 +94,8 @@ def make_train_step(model, task, cfg, tx, schedule):
       new_state["ref_params"] = reference  # frozen: passed through untouched
     metrics = {"loss_sum": loss, **sums, "tokens": weight, "grad_norm": grad_norm,
                "lr": schedule(state["step"]), "finite": finite}
+    for name, value in (stats[0].items() if stats else ()):  # MoE: load_balancing, z_loss, expert_fraction
+      metrics[f"moe_{name}"] = value
     return new_state, metrics
 
   return train_step
@@ -111,7 +118,7 @@ def make_multi_step(train_step):
 def make_eval_step(model, task):
   """Returns `eval_step(params, batch) -> (loss_sum, nll_sum, tokens)` (no dropout, no smoothing)."""
   def eval_step(params, batch):
-    return task.loss(model, params, batch, {}, True, 0.0)
+    return task.loss(model, params, batch, {}, True, 0.0)[:3]  # (an MoE model's router statistics dropped)
   return eval_step
 
 
@@ -173,7 +180,7 @@ class _StopFlag:
 def setup(cfg, workdir, log=print):
   """Builds mesh, task, model, optimizer and the (restored or fresh) sharded state."""
   mesh = sharding.make_mesh(cfg.mesh)
-  data_parallel = mesh.shape["data"] * mesh.shape["fsdp"]
+  data_parallel = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
   # Multi-host: process 0 trains the tokenizer and prepares the data (on first use) before
   # the others read them (a shared workdir would otherwise see concurrent writes). Each
   # stage ends with all processes learning whether any failed, so all stop together.
@@ -628,13 +635,19 @@ def _summarize(metrics_list):
   """Token-weighted means over the logged steps (entries may hold several steps each)."""
   m = {k: np.concatenate([np.ravel(x[k]) for x in metrics_list]).astype(np.float64) for k in metrics_list[0]}
   tokens = max(float(m["tokens"].sum()), 1.0)
-  out = {"loss": float(m["loss_sum"].sum()) / tokens, "nll": float(m["nll_sum"].sum()) / tokens,
-         "lr": float(m["lr"][-1]), "grad_norm": float(m["grad_norm"].mean()),
-         "nonfinite": int((m["finite"] == 0).sum())}
+  summary = {"loss": float(m["loss_sum"].sum()) / tokens, "nll": float(m["nll_sum"].sum()) / tokens,
+             "lr": float(m["lr"][-1]), "grad_norm": float(m["grad_norm"].mean()),
+             "nonfinite": int((m["finite"] == 0).sum())}
   rewards = {k[:-4]: float(m[k].sum()) / tokens for k in m if k.startswith("rewards/")}  # DPO: means over pairs
   if rewards:
-    out.update(rewards, **{"rewards/margin": rewards["rewards/chosen"] - rewards["rewards/rejected"]})
-  return out
+    summary.update(rewards, **{"rewards/margin": rewards["rewards/chosen"] - rewards["rewards/rejected"]})
+  for key in m:  # MoE router statistics: means over the logged steps, one scalar per expert's fraction
+    if key == "moe_expert_fraction":
+      fractions = np.concatenate([np.reshape(x[key], (-1, np.shape(x[key])[-1])) for x in metrics_list]).mean(0)
+      summary.update({f"moe_fraction_{e}": float(v) for e, v in enumerate(fractions)})
+    elif key.startswith("moe_"):
+      summary[key] = float(m[key].mean())
+  return summary
 
 
 def parse_args(argv):

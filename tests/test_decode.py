@@ -206,7 +206,8 @@ def test_suppress_pad_bans_the_pad_id_after_the_softmax():
 
 
 PROMPTS = [[5, 17, 3], [9, 8, 7, 6, 5, 4, 33], [11]]
-LMS = {"gpt2-learned-mha": ("gpt2_tiny", ()), "llama-rope-gqa": ("llama_tiny", ())}
+LMS = {"gpt2-learned-mha": ("gpt2_tiny", ()), "llama-rope-gqa": ("llama_tiny", ()),
+       "llama-moe": ("llama_tiny", ("model.moe_experts=4",))}  # dropless MoE FFNs (jaxformer.moe)
 
 
 @pytest.mark.parametrize("name", LMS)

@@ -88,8 +88,9 @@ def _readme_rule_table():
       break
     cells = [c.strip() for c in line.strip("|").split("|")]
     for names, mesh in ((cells[0], cells[1]), (cells[3], cells[4])):
+      names = names.split("(")[0]  # "expert (MoE experts)": a note after the name
       axes = () if mesh == "replicated" else tuple(a.strip() for a in mesh.split(" x "))
-      table.update({name.strip(): axes for name in names.split(",")})
+      table.update({name.strip(): axes for name in names.split(",") if name.strip()})
   return table
 
 

@@ -1,0 +1,211 @@
+"""Mixture-of-experts FFN (Switch, Mixtral): a top-k router and `moe_experts` expert FFNs.
+
+Each token's router probabilities p = softmax(x W_router) [experts] pick its top `moe_top_k`
+experts; their probabilities, renormalised to sum to 1 (Mixtral), weight the experts' outputs.
+
+Dropless (model.moe_capacity_factor=0, the default): the token copies are sorted by expert
+and each expert's rows go through one grouped matmul (`jax.lax.ragged_dot` on TPU/GPU; on CPU,
+where that lowers to every expert on every row, padded blocks: `grouped_matmul`); no token is
+ever dropped and only the active experts' work is done.
+
+Capacity mode (model.moe_capacity_factor=c > 0): each expert takes at most
+C = ceil(c * tokens * top_k / experts) token copies per call (tokens = batch x length of
+the call). Copies are ranked by choice first, then by token: every token's first choice
+ranks before any token's second choice, and within one choice tokens rank in order
+(row-major over [batch, length]), as in GShard/Switch. A copy ranked C or later at its
+expert is dropped: it adds nothing (the token keeps its residual), and the other copies'
+weights are not renormalised. The experts then run as one batched matmul on [experts, C, d].
+
+Both modes sow the router statistics into the `intermediates` collection, which
+`aux_losses` reads: the load-balancing loss (Switch/Mixtral, HF's `load_balancing_loss_func`:
+experts x sum_e f_e P_e with f_e the fraction of token copies routed to expert e and P_e
+its mean router probability; k when perfectly balanced, experts x k when collapsed on one
+expert), the router z-loss (ST-MoE: mean logsumexp(logits)^2) and f itself.
+Padding tokens are routed like any other (LM batches have none).
+"""
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import traverse_util
+
+from jaxformer import layers
+from jaxformer.config import ModelConfig
+
+# The expert FFN's weights, [experts, d_model, d_ff] / [experts, d_ff, d_model]; `inspect` counts
+# top_k / experts of them as active per token.
+EXPERT_PARAMS = ("wi_gate", "wi_up", "wi", "wo")
+
+
+def is_moe_layer(cfg: ModelConfig, i):
+  """Whether decoder layer i (from 0) has an MoE FFN: every `moe_every`-th layer, the last of each group."""
+  return cfg.moe_experts > 0 and i % cfg.moe_every == cfg.moe_every - 1
+
+
+def route(logits, top_k):
+  """Router: logits [tokens, experts] -> (weights, experts) [tokens, top_k] each, and probs [tokens, experts].
+
+  weights are the top-k softmax probabilities renormalised to sum to 1 per token (Mixtral).
+  """
+  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  top_p, top_e = jax.lax.top_k(probs, top_k)
+  return top_p / jnp.sum(top_p, axis=-1, keepdims=True), top_e, probs
+
+
+def capacity(cfg: ModelConfig, tokens):
+  """Token copies each expert takes per call in capacity mode: ceil(factor x tokens x top_k / experts)."""
+  return max(1, math.ceil(cfg.moe_capacity_factor * tokens * cfg.moe_top_k / cfg.moe_experts))
+
+
+def capacity_slots(top_e, num_experts, cap):
+  """Each copy's rank at its expert, and whether it is kept (rank < cap): [tokens, top_k] each.
+
+  top_e [tokens, top_k]: ranks run over choices first, then tokens (see the module docstring).
+  """
+  choice_major = top_e.T.reshape(-1)  # [top_k * tokens]: all first choices, then all second ...
+  one_hot = jax.nn.one_hot(choice_major, num_experts, dtype=jnp.int32)
+  rank = jnp.sum((jnp.cumsum(one_hot, axis=0) - 1) * one_hot, axis=-1)
+  rank = rank.reshape(top_e.shape[1], top_e.shape[0]).T
+  return rank, rank < cap
+
+
+# Rows per block of the CPU grouped matmul: each expert's group is padded to a multiple of it.
+CPU_BLOCK = 32
+
+
+def grouped_matmul(x, w, group_sizes, impl="auto"):
+  """x [rows, in] sorted by group, w [groups, in, out], group_sizes [groups] -> [rows, out] float32:
+  rows of group g times w[g]. sum(group_sizes) == rows.
+
+  "ragged_dot": `jax.lax.ragged_dot`, a grouped-matmul kernel on TPU and GPU; but XLA:CPU has
+  none, and jax lowers it there (jax/_src/lax/lax.py, `_ragged_dot_general_impl`) to a dense
+  product of every row with every group's weight under a mask: `groups` times the work.
+  "blocks" (what "auto" picks on CPU): each group is padded to a multiple of CPU_BLOCK rows and
+  every block runs one batched matmul against its group's weight, gathered per block: the
+  active work plus at most groups x (CPU_BLOCK - 1) padding rows.
+  """
+  if impl == "auto":
+    impl = "blocks" if jax.default_backend() == "cpu" else "ragged_dot"
+  if impl == "ragged_dot":
+    return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
+  rows, groups, b = x.shape[0], w.shape[0], CPU_BLOCK
+  blocks = -(-rows // b) + groups  # enough for any split of `rows` into `groups` padded groups
+  ends = jnp.cumsum(group_sizes)
+  starts = ends - group_sizes
+  padded = -(-group_sizes // b) * b
+  padded_starts = jnp.cumsum(padded) - padded
+  group = jnp.searchsorted(ends, jnp.arange(rows), side="right")  # each (sorted) row's group
+  dest = padded_starts[group] + jnp.arange(rows) - starts[group]
+  x_blocks = jnp.zeros((blocks * b, x.shape[1]), x.dtype).at[dest].set(x, unique_indices=True)
+  block_group = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded), jnp.arange(blocks) * b, side="right"), groups - 1)
+  out = jnp.einsum("bri,bio->bro", x_blocks.reshape(blocks, b, -1), w[block_group],
+                   preferred_element_type=jnp.float32)
+  return out.reshape(blocks * b, -1)[dest]
+
+
+class MoEFeedForward(nn.Module):
+  """Top-k routed expert FFNs (+ optional shared experts), [batch, length, d_model] -> same shape.
+
+  Parameters: router/kernel [d_model, experts]; wi_gate, wi_up (swiglu) or wi [experts,
+  d_model, d_ff] and wo [experts, d_ff, d_model] (no biases, as in Mixtral); `shared`, a dense
+  FeedForward of moe_shared_experts x d_ff every token passes through (DeepSeek's shared experts).
+  """
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x, deterministic=True):
+    cfg = self.cfg
+    batch, length, d = x.shape
+    num_e, k, f = cfg.moe_experts, cfg.moe_top_k, cfg.d_ff
+    tokens = x.reshape(-1, d)  # [n, d_model]
+    n = tokens.shape[0]
+    router = layers.dense(cfg, num_e, ("embed", None), use_bias=False, name="router")
+    logits = router(tokens.astype(jnp.float32)).astype(jnp.float32)  # routing in float32
+    weights, top_e, probs = route(logits, k)
+
+    init = layers._param(layers.kernel_init(cfg), ("expert", "embed", "mlp"))
+    init_out = layers._param(layers.kernel_init(cfg), ("expert", "mlp", "embed"))
+    names_in = ("wi_gate", "wi_up") if cfg.activation == "swiglu" else ("wi",)
+    w_in = [self.param(name, init, (num_e, d, f), jnp.float32) for name in names_in]
+    w_out = self.param("wo", init_out, (num_e, f, d), jnp.float32)
+    dtype = jnp.dtype(cfg.matmul_dtype if cfg.matmul_dtype != "float32" else cfg.dtype)
+
+    def ffn(h, matmul):
+      """The experts' FFN on rows h through `matmul(rows, weight [experts, in, out])`."""
+      hidden = [matmul(h, w.astype(dtype)) for w in w_in]
+      return matmul(_activation(cfg, hidden).astype(dtype), w_out.astype(dtype))
+
+    if cfg.moe_capacity_factor > 0:
+      cap = capacity(cfg, n)
+      rank, keep = capacity_slots(top_e, num_e, cap)
+      slot = jnp.where(keep, top_e * cap + rank, num_e * cap)  # [n, k]; dropped -> out of range
+      rows = jnp.broadcast_to(tokens[:, None], (n, k, d)).reshape(n * k, d).astype(dtype)
+      buffer = jnp.zeros((num_e * cap, d), dtype).at[slot.reshape(-1)].set(rows, mode="drop")
+      buffer = nn.with_logical_constraint(buffer.reshape(num_e, cap, d), ("expert", None, "embed"))
+      out = ffn(buffer, lambda h, w: jnp.einsum("ecd,edf->ecf", h, w, preferred_element_type=jnp.float32))
+      copies = out.reshape(num_e * cap, d).at[slot.reshape(-1)].get(mode="fill", fill_value=0)
+      weights = weights * keep
+    else:
+      flat_e = top_e.reshape(-1)  # [n * k]
+      order = jnp.argsort(flat_e, stable=True)
+      group_sizes = jnp.bincount(flat_e, length=num_e).astype(jnp.int32)
+      rows = tokens[order // k].astype(dtype)  # token copies sorted by expert
+      out = ffn(rows, lambda h, w: grouped_matmul(h, w, group_sizes))
+      copies = jnp.zeros_like(out).at[order].set(out, unique_indices=True)  # back to [n * k] order
+    y = jnp.einsum("nkd,nk->nd", copies.reshape(n, k, d), weights.astype(copies.dtype))
+    y = y.astype(cfg.dtype).reshape(batch, length, d)
+
+    sow_router_statistics(self, logits, top_e, probs)
+    if cfg.moe_shared_experts:
+      shared = dataclasses.replace(cfg, d_ff=cfg.moe_shared_experts * cfg.d_ff, use_bias=False)
+      y = y + layers.FeedForward(shared, name="shared")(x, deterministic)
+    return y
+
+
+def sow_router_statistics(module, logits, top_e, probs):
+  """Sows load_balancing, z_loss and expert_fraction [experts] (see the module docstring) from
+  the router's logits, probs [tokens, experts] and choices top_e [tokens, top_k]."""
+  num_e, k = probs.shape[-1], top_e.shape[-1]
+  fraction = jnp.mean(jnp.sum(jax.nn.one_hot(top_e, num_e, dtype=jnp.float32), axis=1), axis=0) / k
+  module.sow("intermediates", "load_balancing", num_e * k * jnp.sum(fraction * jnp.mean(probs, axis=0)))
+  module.sow("intermediates", "z_loss", jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2))
+  module.sow("intermediates", "expert_fraction", fraction)
+
+
+def _activation(cfg, hidden):
+  """The FFN nonlinearity of `layers.FeedForward` on the input projections' outputs."""
+  if cfg.activation == "swiglu":
+    return nn.silu(hidden[0]) * hidden[1]
+  h = hidden[0]
+  if cfg.activation == "relu":
+    return nn.relu(h)
+  if cfg.activation == "silu":
+    return nn.silu(h)
+  return nn.gelu(h, approximate=cfg.activation == "gelu")
+
+
+def dense_reference(params, cfg: ModelConfig, x):
+  """Every expert on every token, combined by the router weights (zero off the top k): the
+  test reference for `MoEFeedForward` (dropless, no shared experts). x [batch, length, d_model]."""
+  tokens = x.reshape(-1, x.shape[-1])
+  weights, top_e, _ = route(tokens @ params["router"]["kernel"], cfg.moe_top_k)
+  gate = jnp.sum(jax.nn.one_hot(top_e, cfg.moe_experts) * weights[..., None], axis=1)  # [n, experts]
+  names = ("wi_gate", "wi_up") if cfg.activation == "swiglu" else ("wi",)
+  hidden = [jnp.einsum("nd,edf->enf", tokens, params[name]) for name in names]
+  out = jnp.einsum("enf,efd->end", _activation(cfg, hidden), params["wo"])
+  return jnp.einsum("end,ne->nd", out, gate).reshape(x.shape)
+
+
+def aux_losses(intermediates):
+  """The router statistics `MoEFeedForward` sowed -> dict(load_balancing, z_loss: means over the
+  MoE layers; expert_fraction [experts]: mean fraction of token copies per expert). Empty without MoE."""
+  found = {}
+  for path, value in traverse_util.flatten_dict(intermediates).items():
+    if path[-1] in ("load_balancing", "z_loss", "expert_fraction"):
+      for v in value:  # sow keeps a tuple per call; nn.scan stacks layers on axis 0
+        found.setdefault(path[-1], []).append(v.reshape(-1, v.shape[-1]) if path[-1] == "expert_fraction"
+                                              else v.reshape(-1))
+  return {name: jnp.mean(jnp.concatenate(vs), axis=0) for name, vs in found.items()}
