@@ -450,7 +450,10 @@ _RANGES = {
               ("rope_attention_factor", _TINY, None, "must be positive (or None: the yarn default)"),
               ("rope_mscale", 0.0, None, _COUNT), ("rope_mscale_all_dim", 0.0, None, _COUNT),
               ("init_std", 0.0, None, _COUNT), ("dropout_rate", 0.0, _BELOW_1, "must be in [0, 1)"),
-              ("attention_dropout_rate", 0.0, _BELOW_1, "must be in [0, 1)")],
+              ("attention_dropout_rate", 0.0, _BELOW_1, "must be in [0, 1)"),
+              ("moe_experts", 0, None, "must be 0 (dense) or more"), ("moe_top_k", 1, None, _POSITIVE),
+              ("moe_shared_experts", 0, None, _COUNT), ("moe_every", 1, None, _POSITIVE),
+              ("moe_capacity_factor", 0.0, None, "must be 0 (dropless) or more")],
     "data": [("tokenizer_sample_docs", 1, None, _POSITIVE), ("shard_tokens", 1, None, _POSITIVE),
              ("max_len", 2, None, "must be at least 2 (a token and EOS)"),
              ("tokens_per_batch", 1, None, _POSITIVE), ("batch_multiple", 1, None, _POSITIVE),
@@ -461,14 +464,16 @@ _RANGES = {
               ("b2", 0.0, _BELOW_1, "must be in [0, 1)"),
               ("eps", _TINY, None, "must be positive (Adam divides by sqrt(v) + eps)"),
               ("weight_decay", 0.0, None, _COUNT), ("grad_clip", 0.0, None, "must be 0 (off) or more"),
-              ("grad_accum_steps", 1, None, _POSITIVE), ("label_smoothing", 0.0, _BELOW_1, "must be in [0, 1)")],
+              ("grad_accum_steps", 1, None, _POSITIVE), ("label_smoothing", 0.0, _BELOW_1, "must be in [0, 1)"),
+              ("moe_aux_loss", 0.0, None, _COUNT), ("moe_z_loss", 0.0, None, _COUNT)],
     "train": [("num_steps", 1, None, _POSITIVE), ("log_every", 1, None, "must be at least 1 (steps)"),
               ("eval_every", 1, None, "must be at least 1 (steps)"),
               ("eval_batches", 0, None, "must be 0 (the whole dev set) or more"),
               ("checkpoint_every", 1, None, "must be at least 1 (steps)"), ("keep_checkpoints", 1, None, _POSITIVE),
               ("seed", 0, None, _COUNT), ("steps_per_call", 1, None, _POSITIVE),
               ("max_minutes", 0.0, None, "must be 0 (no limit) or more"), ("eval_bleu_sentences", 0, None, _COUNT),
-              ("host_timeout_s", 2, None, "must be at least 2 (seconds: the peer watch beats once a second)")],
+              ("host_timeout_s", 2, None, "must be at least 2 (seconds: the peer watch beats once a second)"),
+              ("dpo_beta", _TINY, None, "must be positive (DPO's beta scales the log-ratio margin)")],
     "decode": [("beam_size", 1, None, _POSITIVE), ("alpha", 0.0, None, _COUNT), ("max_extra_len", 0, None, _COUNT),
                ("batch_size", 1, None, _POSITIVE), ("temperature", 0.0, None, "must be 0 (greedy) or more"),
                ("top_k", 0, None, "must be 0 (off) or more"), ("top_p", _TINY, 1.0, "must be in (0, 1]"),
@@ -486,7 +491,7 @@ def _validate_ranges(cfg):
         continue
       if not ((lo is None or lo <= value) and (hi is None or value <= hi)):
         raise UserError(f"{section}.{name}={value!r} {what}")
-  for name in ("data", "fsdp", "tensor"):
+  for name in ("data", "fsdp", "tensor", "expert"):
     value = getattr(cfg.mesh, name)
     if value != -1 and value < 1:
       raise UserError(f"mesh.{name}={value} must be at least 1, or -1 (the devices the other axes leave)")
@@ -513,6 +518,9 @@ def _validate_moe(cfg):
     raise UserError(f"model.scan_layers=true scans one block: it needs model.moe_every=1 (got {m.moe_every})")
   if m.moe_shared_experts < 0 or m.moe_capacity_factor < 0:
     raise UserError("model.moe_shared_experts and model.moe_capacity_factor must be >= 0")
+  if cfg.train.objective == "dpo":
+    raise UserError("train.objective=dpo is not supported with model.moe_experts > 0 yet (the preference loss "
+                    "adds no router losses): fine-tune a dense model, or use train.objective=lm")
   if cfg.mesh.expert > 1 and m.moe_experts % cfg.mesh.expert:
     raise UserError(f"model.moe_experts={m.moe_experts} must be a multiple of mesh.expert={cfg.mesh.expert}")
 

@@ -94,8 +94,6 @@ def make_train_step(model, task, cfg, tx, schedule):
       new_state["ref_params"] = reference  # frozen: passed through untouched
     metrics = {"loss_sum": loss, **sums, "tokens": weight, "grad_norm": grad_norm,
                "lr": schedule(state["step"]), "finite": finite}
-    for name, value in (stats[0].items() if stats else ()):  # MoE: load_balancing, z_loss, expert_fraction
-      metrics[f"moe_{name}"] = value
     return new_state, metrics
 
   return train_step

@@ -135,7 +135,7 @@ def sft_config(tmp_path, *overrides, records=None):
 def test_packed_rows_keep_examples_apart(tmp_path):
   """Brute force: every row is whole examples back to back; segments and positions restart at each; a target
   is in the loss exactly when it is the same example's next token and the mask has it (EOS included)."""
-  cfg = sft_config(tmp_path, "data.block_size=128")
+  cfg = sft_config(tmp_path, "data.block_size=128", "model.max_len=128")
   task = tasks.make_task(cfg, str(tmp_path / "run"), log=QUIET)
   tok = task.tokenizer
   stream, mask = task.streams["train"]["text"], task.streams["train"]["mask"]

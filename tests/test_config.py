@@ -272,7 +272,7 @@ def test_every_numeric_field_has_a_decided_range():
   """A new int/float field gets a range in config._RANGES (or a check of its own, listed here)."""
   own_check = {"model.pad_id", "model.bos_id", "model.eos_id", "model.logits_chunk", "data.train_fraction",
                "data.num_proc", "train.max_skipped_steps", "train.lease_timeout_s",
-               "mesh.data", "mesh.fsdp", "mesh.tensor"}  # num_proc: any value (<= 1: in-process)
+               "mesh.data", "mesh.fsdp", "mesh.tensor", "mesh.expert"}  # num_proc: any value (<= 1: in-process)
   ranged = {f"{section}.{rule[0]}" for section, rules in config_lib._RANGES.items() for rule in rules}
   import typing
   for section in ("model", "data", "optim", "train", "mesh", "decode"):
