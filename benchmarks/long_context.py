@@ -46,8 +46,9 @@ def main(argv=None):
   curve = [(r["step"], r["loss"]) for r in records if "loss" in r]
   print("train loss (step: loss):", ", ".join(f"{s}: {loss:.4f}" for s, loss in curve))
   print(f"finite: {all(math.isfinite(loss) for _, loss in curve)}; falling: {curve[-1][1] < curve[0][1]}; "
-        f"step ms at the end {records[-1].get('step_ms', float('nan')):.0f}" if curve else "no loss logged")
-  print({k: v for k, v in result.items() if not isinstance(v, dict)})
+        f"step ms at the end {[r for r in records if 'loss' in r][-1].get('step_ms', float('nan')):.0f}" if curve
+        else "no loss logged")
+  print({k: v for k, v in result.items() if isinstance(v, (int, float))})
 
 
 if __name__ == "__main__":
