@@ -7,6 +7,7 @@ products on `cfg.matmul_dtype` operands (see `einsum`).
 """
 
 import functools
+import logging
 import math
 
 import flax.linen as nn
@@ -14,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxformer import attention
 from jaxformer.config import ModelConfig
 
 # Masked logits get a large finite negative value, not -inf: a fully masked row
@@ -261,6 +263,7 @@ def make_attention_mask(q_segment, kv_segment, q_slot=None, kv_slot=None):
   Segment ids do the padding and the packing at once: a key is visible when it is
   in the query's segment and is not padding (segment 0). With slot indices (the
   position of each token in its row/cache, [q_len] and [kv_len]) the mask is causal.
+  Only the dense paths build it; the tiled kernel builds each block's part itself.
   """
   mask = (q_segment[:, :, None] == kv_segment[:, None, :]) & (kv_segment[:, None, :] != 0)
   if q_slot is not None:
@@ -268,29 +271,122 @@ def make_attention_mask(q_segment, kv_segment, q_slot=None, kv_slot=None):
   return mask[:, None]
 
 
-# Query rows per block when causal attention skips masked key blocks (CPU/TPU path).
+def alibi_bias(slopes, q_position, kv_position):
+  """ALiBi's bias [batch, heads, q_len, kv_len]: -slope * |i - j| from positions [batch, len] (dense paths)."""
+  distance = (q_position[:, :, None] - kv_position[:, None, :]).astype(jnp.float32)
+  return -jnp.asarray(slopes, jnp.float32)[None, :, None, None] * jnp.abs(distance)[:, None]
+
+
+# Query rows per block when causal attention skips masked key blocks (the dense path).
 _CAUSAL_BLOCK = 128
 
+# `auto` picks the tiled kernel when q_len * kv_len reaches this squared (and no dropout):
+# below it the dense path is as fast on CPU and its [q, kv] temporaries are small (BENCHMARKS.md,
+# "Tiled attention"). Decode steps (one query) stay dense.
+TILED_MIN_LENGTH = 2048
 
-def dot_product_attention(q, k, v, mask, bias=None, dropout_rate=0.0, dropout_rng=None,
+IMPLEMENTATIONS = ("auto", "einsum", "tiled", "xla", "cudnn", "splash")
+
+_REPORTED = set()   # (requested, choice, shapes, dtype) already logged: one line per distinct program
+_LOG = [None]       # where the choices go: train.setup points it at the run's log; else `logging`
+
+
+def log_attention_choices(log):
+  """Sends each attention choice (one line per distinct program) to `log` (e.g. the run's log)."""
+  _LOG[0] = log
+
+
+def choose_attention(implementation, q_shape, kv_shape, dtype, dropout, backend=None):
+  """The kernel `dot_product_attention` runs -> (kernel, reason).
+
+  implementation: `model.attention_impl`; q_shape [batch, q_len, heads, head_dim], kv_shape
+  [batch, kv_len, kv_heads, head_dim]; dropout: whether attention dropout is on in this call;
+  backend: jax.default_backend() unless given. An explicit choice is honoured whatever the
+  default backend (compiling for a TPU topology from this CPU, `jax.default_backend()` is "cpu").
+
+  Hooks for issue 25 part B (`jaxformer/kernels.py`): `splash` (Pallas splash attention, TPU) and
+  `cudnn` (GPU) go to that module when it exists, e.g. `kernels.splash_supported(q_shape, kv_shape,
+  dtype)`; `auto` is where it would pick them on TPU / GPU first.
+  """
+  backend = backend or jax.default_backend()
+  q_len, kv_len = q_shape[1], kv_shape[1]
+  if dropout:
+    # Only the dense path implements attention dropout (off in every recipe).
+    why = "attention dropout is on: only the dense path implements it"
+    return "einsum", why if implementation in ("auto", "einsum") else f"{why} ({implementation} requested)"
+  if implementation == "splash":
+    try:
+      from jaxformer import kernels  # pylint: disable=g-import-not-at-top,unused-import  # issue 25 part B
+    except ImportError:
+      return "tiled", "splash requested but jaxformer.kernels (Pallas splash) is not in this build"
+    return "splash", "requested"
+  if implementation != "auto":
+    return implementation, "requested"
+  if q_len * kv_len >= TILED_MIN_LENGTH ** 2:
+    return "tiled", f"q_len x kv_len {q_len}x{kv_len} >= {TILED_MIN_LENGTH}^2: memory linear in the length"
+  if backend == "gpu":  # part B: cuDNN first where its constraints hold
+    return "xla", f"gpu, below {TILED_MIN_LENGTH}^2: jax.nn.dot_product_attention's XLA path"
+  return "einsum", f"{backend}, below {TILED_MIN_LENGTH}^2: dense head-major matmuls"
+
+
+def _report(implementation, choice, reason, q_shape, kv_shape, dtype):
+  """Logs the choice once per distinct program; a replaced request is a warning."""
+  key_ = (implementation, choice, tuple(q_shape), tuple(kv_shape), str(dtype))
+  if key_ in _REPORTED:
+    return
+  _REPORTED.add(key_)
+  line = (f"attention: {choice} for q {tuple(q_shape)} kv {tuple(kv_shape)} {dtype} "
+          f"(model.attention_impl={implementation}: {reason})")
+  if _LOG[0] is not None:
+    _LOG[0](line)
+  elif choice != implementation and implementation != "auto":
+    logging.getLogger(__name__).warning(line)
+  else:
+    logging.getLogger(__name__).info(line)
+
+
+def dot_product_attention(q, k, v, q_segment, kv_segment, q_slot=None, kv_slot=None, *, alibi_slopes=None,
+                          q_position=None, kv_position=None, dropout_rate=0.0, dropout_rng=None,
                           deterministic=True, implementation="auto", causal=False, matmul_dtype="float32"):
-  """softmax(q k^T / sqrt(d_k) + bias) v, the one attention used everywhere.
+  """softmax(q k^T / sqrt(d_k) + ALiBi) v over the visible keys: the one attention used everywhere.
 
-  q [batch, q_len, heads, head_dim]; k, v [batch, kv_len, kv_heads, head_dim] with
-  heads a multiple of kv_heads (GQA/MQA); mask [batch, 1|heads, q_len, kv_len] bool;
-  bias [batch|1, heads, q_len, kv_len] or None. Returns [batch, q_len, heads, head_dim].
-  `causal=True` promises that the mask hides every key after its query (q_len ==
-  kv_len, aligned): the matmul path then skips the key blocks above the diagonal.
-  `matmul_dtype` as in `einsum` (the matmul path only).
+  q [batch, q_len, heads, head_dim]; k, v [batch, kv_len, kv_heads, head_dim] with heads a
+  multiple of kv_heads (GQA/MQA). Which keys a query sees comes from ids, never a dense mask:
+  q_segment [batch, q_len], kv_segment [batch, kv_len] (same segment, key not 0 = padding),
+  and for causal attention q_slot [q_len], kv_slot [kv_len] (each token's slot in its row or
+  KV cache: a key is visible when kv_slot <= q_slot). ALiBi: alibi_slopes [heads] with
+  q_position [batch, q_len], kv_position [batch, kv_len] (bias -slope * |i - j|).
+  Returns [batch, q_len, heads, head_dim]; a query that sees no key gets an unspecified
+  (finite) output. `causal=True` promises slots are arange(q_len) == arange(kv_len) (training);
+  the dense path then skips the key blocks above the diagonal. `matmul_dtype` as in `einsum`
+  (dense and tiled paths).
 
-  On GPU (and with no attention dropout) it calls `jax.nn.dot_product_attention`, which
-  picks cuDNN flash attention; elsewhere it runs the head-major matmuls below.
+  Kernels (`choose_attention` picks one and logs it once per program): `einsum`, dense
+  head-major matmuls (the CPU default at short lengths); `tiled`, FlashAttention-2 in JAX
+  (`jaxformer.attention`, memory linear in the length); `xla`/`cudnn`,
+  `jax.nn.dot_product_attention` with that implementation (JAX 0.10.2's `implementation=None`
+  is its XLA path, a dense score matrix, not cuDNN); `splash`, issue 25 part B.
   """
   use_dropout = dropout_rate > 0.0 and not deterministic
-  if implementation == "auto":  # None lets JAX pick cuDNN flash attention when it can
-    implementation = None if jax.default_backend() == "gpu" else "einsum"
-  if implementation != "einsum" and not use_dropout:
-    return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, implementation=implementation)
+  choice, reason = choose_attention(implementation, q.shape, k.shape, q.dtype, use_dropout)
+  _report(implementation, choice, reason, q.shape, k.shape, q.dtype)
+  if choice == "tiled":
+    return attention.flash_attention(q, k, v, q_segment, kv_segment, q_slot, kv_slot, alibi_slopes=alibi_slopes,
+                                     q_position=q_position, kv_position=kv_position, causal=causal,
+                                     matmul_dtype=matmul_dtype)
+  if choice == "splash":  # issue 25 part B fills this in (jaxformer/kernels.py)
+    raise NotImplementedError("splash attention: jaxformer.kernels")
+  mask = make_attention_mask(q_segment, kv_segment, q_slot, kv_slot)
+  bias = None if alibi_slopes is None else alibi_bias(alibi_slopes, q_position, kv_position)
+  if choice in ("xla", "cudnn"):
+    return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, implementation=choice)
+  return _dense_attention(q, k, v, mask, bias, dropout_rate if use_dropout else 0.0, dropout_rng, causal,
+                          matmul_dtype)
+
+
+def _dense_attention(q, k, v, mask, bias, dropout_rate, dropout_rng, causal, matmul_dtype):
+  """The dense path: mask [batch, 1|heads, q_len, kv_len] bool, bias [batch|1, heads, q_len, kv_len] or None."""
+  use_dropout = dropout_rate > 0.0
   b, t, h, d = q.shape
   s, kv_heads = k.shape[1], k.shape[2]
   g = h // kv_heads
@@ -367,17 +463,15 @@ class Attention(nn.Module):
     if decode and not cross:
       k, v, kv_segment, kv_position, q_slot, kv_slot = self._update_cache(k, v, q_segment, q_position)
 
-    mask = make_attention_mask(q_segment, kv_segment, q_slot, kv_slot)
-    bias = None
-    if cfg.position == "alibi" and not cross:
-      distance = (q_position[:, :, None] - kv_position[:, None, :]).astype(jnp.float32)
-      bias = -jnp.asarray(alibi_slopes(h))[None, :, None, None] * jnp.abs(distance)[:, None]
+    slopes = alibi_slopes(h) if cfg.position == "alibi" and not cross else None
     dropout_rng = None
     if cfg.attention_dropout_rate > 0 and not deterministic:
       dropout_rng = self.make_rng("dropout")
-    out = dot_product_attention(q, k, v, mask, bias, cfg.attention_dropout_rate, dropout_rng,
-                                deterministic, cfg.attention_impl, causal=self.causal and not decode,
-                                matmul_dtype=cfg.matmul_dtype)
+    out = dot_product_attention(q, k, v, q_segment, kv_segment, q_slot, kv_slot, alibi_slopes=slopes,
+                                q_position=q_position, kv_position=kv_position,
+                                dropout_rate=cfg.attention_dropout_rate, dropout_rng=dropout_rng,
+                                deterministic=deterministic, implementation=cfg.attention_impl,
+                                causal=self.causal and not decode, matmul_dtype=cfg.matmul_dtype)
     out = nn.with_logical_constraint(out, ("batch", "length", "heads", "kv"))
     return dense(cfg, cfg.d_model, ("heads", "kv", "embed"), axis=(-2, -1), name="out")(out)
 
