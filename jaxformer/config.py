@@ -64,7 +64,7 @@ class ModelConfig:
   attention_dropout_rate: float = 0.0
   dtype: str = "float32"            # compute dtype; parameters stay float32
   matmul_dtype: str = "float32"     # bfloat16: products on bf16 operands, f32 accumulation (CPU/TPU path)
-  attention_impl: str = "auto"      # auto | xla | cudnn | einsum
+  attention_impl: str = "auto"      # auto | xla | cudnn | einsum | splash (TPU; jaxformer.kernels)
   scan_layers: bool = False         # the blocks of each stack under nn.scan, params stacked on a `layers` axis
   remat: str = "none"               # none | full | dots_saveable | dots_with_no_batch_dims_saveable (per block)
   logits_chunk: int = 0             # > 0: output projection + loss over this many tokens at a time; 0: automatic
@@ -309,7 +309,7 @@ def _validate(cfg):
              "position": ("sinusoidal", "learned", "rope", "alibi", "none"),
              "rope_scaling": ("none", "ntk", "yarn", "llama3"), "dtype": ("float32", "bfloat16"),
              "matmul_dtype": ("float32", "bfloat16"),
-             "attention_impl": ("auto", "xla", "cudnn", "einsum"),
+             "attention_impl": ("auto", "xla", "cudnn", "einsum", "splash"),
              "sinusoidal_layout": ("interleaved", "concat", "marian"),
              "kernel_init": ("xavier_uniform", "normal"),
              "remat": ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")}

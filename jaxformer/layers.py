@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxformer import kernels
 from jaxformer.config import ModelConfig
 
 # Masked logits get a large finite negative value, not -inf: a fully masked row
@@ -367,6 +368,17 @@ class Attention(nn.Module):
     if decode and not cross:
       k, v, kv_segment, kv_position, q_slot, kv_slot = self._update_cache(k, v, q_segment, q_position)
 
+    if cfg.attention_impl == "splash" and not decode:
+      # Until the dispatcher (issue 25) routes here by backend: asked for by name, for the
+      # TPU compiler (benchmarks/aot_compile.py), which traces on a host without a TPU.
+      reason = kernels.splash_supported(q.shape, k.shape, q.dtype, causal=self.causal, backend="tpu",
+                                        has_bias=cfg.position == "alibi" and not cross,
+                                        dropout=cfg.attention_dropout_rate > 0 and not deterministic)
+      kernels.log_choice("splash" if reason is None else "einsum", reason, q.shape, k.shape)
+      if reason is None:
+        out = kernels.splash_attention(q, k, v, q_segment, kv_segment, causal=self.causal)
+        out = nn.with_logical_constraint(out, ("batch", "length", "heads", "kv"))
+        return dense(cfg, cfg.d_model, ("heads", "kv", "embed"), axis=(-2, -1), name="out")(out)
     mask = make_attention_mask(q_segment, kv_segment, q_slot, kv_slot)
     bias = None
     if cfg.position == "alibi" and not cross:
@@ -376,7 +388,7 @@ class Attention(nn.Module):
     if cfg.attention_dropout_rate > 0 and not deterministic:
       dropout_rng = self.make_rng("dropout")
     out = dot_product_attention(q, k, v, mask, bias, cfg.attention_dropout_rate, dropout_rng,
-                                deterministic, cfg.attention_impl, causal=self.causal and not decode,
+                                deterministic, "einsum" if cfg.attention_impl == "splash" else cfg.attention_impl, causal=self.causal and not decode,
                                 matmul_dtype=cfg.matmul_dtype)
     out = nn.with_logical_constraint(out, ("batch", "length", "heads", "kv"))
     return dense(cfg, cfg.d_model, ("heads", "kv", "embed"), axis=(-2, -1), name="out")(out)
