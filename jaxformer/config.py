@@ -64,7 +64,7 @@ class ModelConfig:
   attention_dropout_rate: float = 0.0
   dtype: str = "float32"            # compute dtype; parameters stay float32
   matmul_dtype: str = "float32"     # bfloat16: products on bf16 operands, f32 accumulation (CPU/TPU path)
-  attention_impl: str = "auto"      # auto | xla | cudnn | einsum | splash (TPU; jaxformer.kernels)
+  attention_impl: str = "auto"      # auto | einsum (dense) | tiled | xla | cudnn | splash (layers.choose_attention)
   scan_layers: bool = False         # the blocks of each stack under nn.scan, params stacked on a `layers` axis
   remat: str = "none"               # none | full | dots_saveable | dots_with_no_batch_dims_saveable (per block)
   logits_chunk: int = 0             # > 0: output projection + loss over this many tokens at a time; 0: automatic
@@ -309,13 +309,16 @@ def _validate(cfg):
              "position": ("sinusoidal", "learned", "rope", "alibi", "none"),
              "rope_scaling": ("none", "ntk", "yarn", "llama3"), "dtype": ("float32", "bfloat16"),
              "matmul_dtype": ("float32", "bfloat16"),
-             "attention_impl": ("auto", "xla", "cudnn", "einsum", "splash"),
+             "attention_impl": ("auto", "einsum", "tiled", "xla", "cudnn", "splash"),
              "sinusoidal_layout": ("interleaved", "concat", "marian"),
              "kernel_init": ("xavier_uniform", "normal"),
              "remat": ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")}
   for field, allowed in choices.items():
     if getattr(m, field) not in allowed:
       raise UserError(f"model.{field}={getattr(m, field)!r}: choose one of {', '.join(allowed)}")
+  if m.attention_impl == "cudnn" and m.dtype != "bfloat16":
+    raise UserError(f"model.attention_impl=cudnn needs model.dtype=bfloat16 (cuDNN flash attention has no "
+                    f"{m.dtype} kernel): set model.dtype=bfloat16 or model.attention_impl=auto")
   for name in ("pad_id", "bos_id", "eos_id"):
     if not 0 <= getattr(m, name) < m.vocab_size:
       raise UserError(f"model.{name}={getattr(m, name)} is not a token id of model.vocab_size={m.vocab_size}")
@@ -347,6 +350,15 @@ def _validate(cfg):
     raise UserError(f"train.max_skipped_steps={cfg.train.max_skipped_steps} must be 0 (never stop) or more")
   if cfg.train.lease_timeout_s <= 0:
     raise UserError(f"train.lease_timeout_s={cfg.train.lease_timeout_s:g} must be positive (seconds)")
+
+
+def check_backend(model_cfg, backend):
+  """One line before anything compiles: `splash` needs a TPU and `cudnn` a GPU (`backend`: the
+  platform the program runs on; a compile for a TPU topology from this CPU does not call this)."""
+  need = {"splash": "tpu", "cudnn": "gpu"}.get(model_cfg.attention_impl)
+  if need and backend != need:
+    raise UserError(f"model.attention_impl={model_cfg.attention_impl} runs on {need.upper()} only, and this "
+                    f"program runs on {backend}: use model.attention_impl=auto (or tiled)")
 
 
 def to_dict(cfg):

@@ -249,6 +249,20 @@ def cudnn_arguments(q_segment=None, kv_segment=None, *, causal):
   return args
 
 
+def cudnn_rows_ok(q_segment, kv_segment):
+  """Whether cuDNN's per-row lengths describe these segment ids -> bool scalar (traced).
+
+  True when every row is one sequence (the same non-zero id in q and kv) followed only by
+  padding (0), and no row is all padding; packed rows (several documents) are not.
+  """
+  def prefix(seg, first):
+    length = jnp.sum(seg != 0, axis=-1, keepdims=True)
+    inside = jnp.arange(seg.shape[-1])[None] < length
+    return jnp.all(seg == jnp.where(inside, first, 0)) & jnp.all(length > 0)
+  first = q_segment[:, :1]
+  return prefix(q_segment, first) & prefix(kv_segment, first)
+
+
 def cudnn_attention(q, k, v, q_segment=None, kv_segment=None, *, causal):
   """cuDNN flash attention: q [batch, q_len, heads, head_dim], k, v [batch, kv_len, kv_heads, head_dim]
   in fp16/bf16 -> [batch, q_len, heads, head_dim]. Check `cudnn_supported` first.

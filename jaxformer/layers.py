@@ -7,6 +7,7 @@ products on `cfg.matmul_dtype` operands (see `einsum`).
 """
 
 import functools
+import logging
 import math
 
 import flax.linen as nn
@@ -14,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxformer import attention
 from jaxformer import kernels
 from jaxformer.config import ModelConfig
 
@@ -262,6 +264,7 @@ def make_attention_mask(q_segment, kv_segment, q_slot=None, kv_slot=None):
   Segment ids do the padding and the packing at once: a key is visible when it is
   in the query's segment and is not padding (segment 0). With slot indices (the
   position of each token in its row/cache, [q_len] and [kv_len]) the mask is causal.
+  Only the dense paths build it; the tiled kernel builds each block's part itself.
   """
   mask = (q_segment[:, :, None] == kv_segment[:, None, :]) & (kv_segment[:, None, :] != 0)
   if q_slot is not None:
@@ -269,29 +272,143 @@ def make_attention_mask(q_segment, kv_segment, q_slot=None, kv_slot=None):
   return mask[:, None]
 
 
-# Query rows per block when causal attention skips masked key blocks (CPU/TPU path).
+def alibi_bias(slopes, q_position, kv_position):
+  """ALiBi's bias [batch, heads, q_len, kv_len]: -slope * |i - j| from positions [batch, len] (dense paths)."""
+  distance = (q_position[:, :, None] - kv_position[:, None, :]).astype(jnp.float32)
+  return -jnp.asarray(slopes, jnp.float32)[None, :, None, None] * jnp.abs(distance)[:, None]
+
+
+# Query rows per block when causal attention skips masked key blocks (the dense path).
 _CAUSAL_BLOCK = 128
 
+# `auto` picks the tiled kernel when q_len * kv_len reaches this squared (and no dropout):
+# below it the dense path is as fast on CPU and its [q, kv] temporaries are small (BENCHMARKS.md,
+# "Tiled attention"). Decode steps (one query) stay dense.
+TILED_MIN_LENGTH = 2048
 
-def dot_product_attention(q, k, v, mask, bias=None, dropout_rate=0.0, dropout_rng=None,
+IMPLEMENTATIONS = ("auto", "einsum", "tiled", "xla", "cudnn", "splash")
+
+_REPORTED = set()   # (requested, choice, shapes, dtype) already logged: one line per distinct program
+_LOG = [None]       # where the choices go: train.setup points it at the run's log; else `logging`
+
+
+def log_attention_choices(log):
+  """Sends each attention choice (one line per distinct program) to `log` (e.g. the run's log)."""
+  _LOG[0] = log
+
+
+def choose_attention(implementation, q_shape, kv_shape, dtype, dropout, backend=None, *, causal=False,
+                     slotted=False, alibi=False):
+  """The kernel `dot_product_attention` runs -> (kernel, reason).
+
+  implementation: `model.attention_impl`; q_shape [batch, q_len, heads, head_dim], kv_shape
+  [batch, kv_len, kv_heads, head_dim]; dropout: whether attention dropout is on in this call;
+  backend: jax.default_backend() unless given. An explicit choice is honoured whatever the
+  default backend (compiling for a TPU topology from this CPU, `jax.default_backend()` is "cpu").
+  causal: the training causal mask (slots = arange); slotted: a mask from KV-cache slots
+  (decode); alibi: an ALiBi bias. These decide whether the backend kernels of
+  `jaxformer.kernels` can run: splash (Pallas, TPU) and cuDNN (GPU) each say why not, and the
+  tiled kernel runs instead. `auto` picks them first on their backend (neither has run on its
+  device in this project yet: BENCHMARKS.md, "device_check").
+  """
+  backend = backend or jax.default_backend()
+  q_len, kv_len = q_shape[1], kv_shape[1]
+  if dropout:
+    # Only the dense path implements attention dropout (off in every recipe).
+    why = "attention dropout is on: only the dense path implements it"
+    return "einsum", why if implementation in ("auto", "einsum") else f"{why} ({implementation} requested)"
+  shape_args = dict(causal=causal, has_bias=alibi, decode=slotted and not causal)
+  if implementation == "splash" or (implementation == "auto" and backend == "tpu"):
+    # Requested by name, splash is checked as for a TPU whatever the default backend.
+    reason = kernels.splash_supported(q_shape, kv_shape, dtype, backend="tpu", **shape_args)
+    if reason is None:
+      return "splash", "requested" if implementation == "splash" else "auto on tpu"
+    return "tiled", f"splash {'requested' if implementation == 'splash' else 'is auto on tpu'} but {reason}"
+  if implementation == "cudnn" or (implementation == "auto" and backend == "gpu"):
+    # Segment ids are checked per batch (packed rows take the tiled kernel: `_cudnn_or_tiled`).
+    reason = kernels.cudnn_supported(q_shape, kv_shape, dtype, segments="padding", backend="gpu", **shape_args)
+    if reason is None:
+      why = "requested" if implementation == "cudnn" else "auto on gpu"
+      return "cudnn", f"{why}; a batch with packed rows (several segments) runs the tiled kernel"
+    if implementation == "cudnn":
+      return "tiled", f"cudnn requested but {reason}"
+  if implementation != "auto":
+    return implementation, "requested"
+  if q_len * kv_len >= TILED_MIN_LENGTH ** 2:
+    return "tiled", f"auto: q_len x kv_len {q_len}x{kv_len} >= {TILED_MIN_LENGTH}^2 (linear memory)"
+  if backend == "gpu":
+    return "xla", (f"auto on gpu below {TILED_MIN_LENGTH}^2, cuDNN cannot ({reason}): "
+                   "jax.nn.dot_product_attention's XLA path")
+  return "einsum", f"auto on {backend} below {TILED_MIN_LENGTH}^2: dense head-major matmuls"
+
+
+def _report(implementation, choice, reason, q_shape, kv_shape, dtype):
+  """Logs the choice once per distinct program; a replaced request is a warning."""
+  key_ = (implementation, choice, tuple(q_shape), tuple(kv_shape), str(dtype))
+  if key_ in _REPORTED:
+    return
+  _REPORTED.add(key_)
+  line = (f"attention: {choice} for q {tuple(q_shape)} kv {tuple(kv_shape)} {dtype} "
+          f"(model.attention_impl={implementation}: {reason})")
+  if _LOG[0] is not None:
+    _LOG[0](line)
+  elif choice != implementation and implementation != "auto":
+    logging.getLogger(__name__).warning(line)
+  else:
+    logging.getLogger(__name__).info(line)
+
+
+def dot_product_attention(q, k, v, q_segment, kv_segment, q_slot=None, kv_slot=None, *, alibi_slopes=None,
+                          q_position=None, kv_position=None, dropout_rate=0.0, dropout_rng=None,
                           deterministic=True, implementation="auto", causal=False, matmul_dtype="float32"):
-  """softmax(q k^T / sqrt(d_k) + bias) v, the one attention used everywhere.
+  """softmax(q k^T / sqrt(d_k) + ALiBi) v over the visible keys: the one attention used everywhere.
 
-  q [batch, q_len, heads, head_dim]; k, v [batch, kv_len, kv_heads, head_dim] with
-  heads a multiple of kv_heads (GQA/MQA); mask [batch, 1|heads, q_len, kv_len] bool;
-  bias [batch|1, heads, q_len, kv_len] or None. Returns [batch, q_len, heads, head_dim].
-  `causal=True` promises that the mask hides every key after its query (q_len ==
-  kv_len, aligned): the matmul path then skips the key blocks above the diagonal.
-  `matmul_dtype` as in `einsum` (the matmul path only).
+  q [batch, q_len, heads, head_dim]; k, v [batch, kv_len, kv_heads, head_dim] with heads a
+  multiple of kv_heads (GQA/MQA). Which keys a query sees comes from ids, never a dense mask:
+  q_segment [batch, q_len], kv_segment [batch, kv_len] (same segment, key not 0 = padding),
+  and for causal attention q_slot [q_len], kv_slot [kv_len] (each token's slot in its row or
+  KV cache: a key is visible when kv_slot <= q_slot). ALiBi: alibi_slopes [heads] with
+  q_position [batch, q_len], kv_position [batch, kv_len] (bias -slope * |i - j|).
+  Returns [batch, q_len, heads, head_dim]; a query that sees no key gets an unspecified
+  (finite) output. `causal=True` promises slots are arange(q_len) == arange(kv_len) (training);
+  the dense path then skips the key blocks above the diagonal. `matmul_dtype` as in `einsum`
+  (dense and tiled paths).
 
-  On GPU (and with no attention dropout) it calls `jax.nn.dot_product_attention`, which
-  picks cuDNN flash attention; elsewhere it runs the head-major matmuls below.
+  Kernels (`choose_attention` picks one and logs it once per program): `einsum`, dense
+  head-major matmuls (the CPU default at short lengths); `tiled`, FlashAttention-2 in JAX
+  (`jaxformer.attention`, memory linear in the length); `xla`/`cudnn`,
+  `jax.nn.dot_product_attention` with that implementation (JAX 0.10.2's `implementation=None`
+  is its XLA path, a dense score matrix, not cuDNN); `cudnn`, cuDNN flash attention with
+  `is_causal` and per-row lengths (`jaxformer.kernels`; untested on a GPU here); `splash`,
+  Pallas splash attention in `shard_map` over the mesh (`jaxformer.kernels`; TPU).
   """
   use_dropout = dropout_rate > 0.0 and not deterministic
-  if implementation == "auto":  # None lets JAX pick cuDNN flash attention when it can
-    implementation = None if jax.default_backend() == "gpu" else "einsum"
-  if implementation != "einsum" and not use_dropout:
-    return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, implementation=implementation)
+  choice, reason = choose_attention(implementation, q.shape, k.shape, q.dtype, use_dropout, causal=causal,
+                                    slotted=q_slot is not None, alibi=alibi_slopes is not None)
+  _report(implementation, choice, reason, q.shape, k.shape, q.dtype)
+  tiled = functools.partial(attention.flash_attention, q, k, v, q_segment, kv_segment, q_slot, kv_slot,
+                            alibi_slopes=alibi_slopes, q_position=q_position, kv_position=kv_position,
+                            causal=causal, matmul_dtype=matmul_dtype)
+  if choice == "tiled":
+    return tiled()
+  if choice == "splash":
+    return kernels.splash_attention(q, k, v, q_segment, kv_segment, causal=causal)
+  if choice == "cudnn":
+    # cuDNN sees padding as one length per row; a packed batch is decided at run time.
+    return jax.lax.cond(kernels.cudnn_rows_ok(q_segment, kv_segment),
+                        lambda: kernels.cudnn_attention(q, k, v, q_segment, kv_segment, causal=causal).astype(q.dtype),
+                        lambda: tiled().astype(q.dtype))
+  mask = make_attention_mask(q_segment, kv_segment, q_slot, kv_slot)
+  bias = None if alibi_slopes is None else alibi_bias(alibi_slopes, q_position, kv_position)
+  if choice == "xla":
+    return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, implementation=choice)
+  return _dense_attention(q, k, v, mask, bias, dropout_rate if use_dropout else 0.0, dropout_rng, causal,
+                          matmul_dtype)
+
+
+def _dense_attention(q, k, v, mask, bias, dropout_rate, dropout_rng, causal, matmul_dtype):
+  """The dense path: mask [batch, 1|heads, q_len, kv_len] bool, bias [batch|1, heads, q_len, kv_len] or None."""
+  use_dropout = dropout_rate > 0.0
   b, t, h, d = q.shape
   s, kv_heads = k.shape[1], k.shape[2]
   g = h // kv_heads
@@ -368,28 +485,15 @@ class Attention(nn.Module):
     if decode and not cross:
       k, v, kv_segment, kv_position, q_slot, kv_slot = self._update_cache(k, v, q_segment, q_position)
 
-    if cfg.attention_impl == "splash" and not decode:
-      # Until the dispatcher (issue 25) routes here by backend: asked for by name, for the
-      # TPU compiler (benchmarks/aot_compile.py), which traces on a host without a TPU.
-      reason = kernels.splash_supported(q.shape, k.shape, q.dtype, causal=self.causal, backend="tpu",
-                                        has_bias=cfg.position == "alibi" and not cross,
-                                        dropout=cfg.attention_dropout_rate > 0 and not deterministic)
-      kernels.log_choice("splash" if reason is None else "einsum", reason, q.shape, k.shape)
-      if reason is None:
-        out = kernels.splash_attention(q, k, v, q_segment, kv_segment, causal=self.causal)
-        out = nn.with_logical_constraint(out, ("batch", "length", "heads", "kv"))
-        return dense(cfg, cfg.d_model, ("heads", "kv", "embed"), axis=(-2, -1), name="out")(out)
-    mask = make_attention_mask(q_segment, kv_segment, q_slot, kv_slot)
-    bias = None
-    if cfg.position == "alibi" and not cross:
-      distance = (q_position[:, :, None] - kv_position[:, None, :]).astype(jnp.float32)
-      bias = -jnp.asarray(alibi_slopes(h))[None, :, None, None] * jnp.abs(distance)[:, None]
+    slopes = alibi_slopes(h) if cfg.position == "alibi" and not cross else None
     dropout_rng = None
     if cfg.attention_dropout_rate > 0 and not deterministic:
       dropout_rng = self.make_rng("dropout")
-    out = dot_product_attention(q, k, v, mask, bias, cfg.attention_dropout_rate, dropout_rng,
-                                deterministic, "einsum" if cfg.attention_impl == "splash" else cfg.attention_impl, causal=self.causal and not decode,
-                                matmul_dtype=cfg.matmul_dtype)
+    out = dot_product_attention(q, k, v, q_segment, kv_segment, q_slot, kv_slot, alibi_slopes=slopes,
+                                q_position=q_position, kv_position=kv_position,
+                                dropout_rate=cfg.attention_dropout_rate, dropout_rng=dropout_rng,
+                                deterministic=deterministic, implementation=cfg.attention_impl,
+                                causal=self.causal and not decode, matmul_dtype=cfg.matmul_dtype)
     out = nn.with_logical_constraint(out, ("batch", "length", "heads", "kv"))
     return dense(cfg, cfg.d_model, ("heads", "kv", "embed"), axis=(-2, -1), name="out")(out)
 

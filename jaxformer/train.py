@@ -29,6 +29,7 @@ from jaxformer import config as config_lib
 from jaxformer import decode
 from jaxformer import evaluate as evaluate_lib
 from jaxformer import inspect as inspect_lib
+from jaxformer import layers
 from jaxformer import lease as lease_lib
 from jaxformer import metrics as metrics_lib
 from jaxformer import model as model_lib
@@ -145,6 +146,8 @@ class _StopFlag:
 
 def setup(cfg, workdir, log=print):
   """Builds mesh, task, model, optimizer and the (restored or fresh) sharded state."""
+  config_lib.check_backend(cfg.model, jax.default_backend())
+  layers.log_attention_choices(log)  # which attention kernel each program runs, once per program
   mesh = sharding.make_mesh(cfg.mesh)
   data_parallel = mesh.shape["data"] * mesh.shape["fsdp"]
   # Multi-host: process 0 trains the tokenizer and prepares the data (on first use) before

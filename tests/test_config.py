@@ -99,10 +99,26 @@ def test_bad_values_fail_clearly(override, expected):
     ("train.nan_policy=ignore", "skip or stop"),
     ("train.max_skipped_steps=-1", r"must be 0 \(never stop\) or more"),
     ("train.lease_timeout_s=0", "must be positive"),
+    ("model.attention_impl=cudnn", "needs model.dtype=bfloat16"),
+    ("model.attention_impl=flash", "choose one of auto, einsum, tiled"),
 ])
 def test_inconsistent_configs_are_rejected(override, expected):
   with pytest.raises(UserError, match=expected):
     load_config("tiny_encdec", [override])
+
+
+def test_attention_kernels_for_another_backend_are_a_one_line_error_at_setup():
+  """splash needs a TPU, cudnn a GPU: said before anything compiles (train.setup calls this)."""
+  from jaxformer import config  # pylint: disable=g-import-not-at-top
+  splash = load_config("tiny_encdec", ["model.attention_impl=splash"]).model
+  cudnn = load_config("tiny_encdec", ["model.attention_impl=cudnn", "model.dtype=bfloat16"]).model
+  with pytest.raises(UserError, match="runs on TPU only, and this program runs on cpu"):
+    config.check_backend(splash, "cpu")
+  with pytest.raises(UserError, match="runs on GPU only"):
+    config.check_backend(cudnn, "tpu")
+  config.check_backend(splash, "tpu")
+  config.check_backend(cudnn, "gpu")
+  config.check_backend(load_config("tiny_encdec", ["model.attention_impl=tiled"]).model, "cpu")
 
 
 def test_unknown_config_name_suggests_the_closest():

@@ -109,6 +109,21 @@ def test_greedy_generation_with_the_kv_cache_matches_transformers(converted, nam
     np.testing.assert_array_equal(np.asarray(got), meta["greedy"])
 
 
+@pytest.mark.parametrize("name", ["llama", "marian"])
+def test_greedy_generation_with_the_tiled_attention_kernel_matches_transformers(converted, name):
+  """The same converted weights with model.attention_impl=tiled (jaxformer.attention on the KV cache)."""
+  _, cfg, model, params, _ = converted(name)
+  model = type(model)(config_lib.replace(cfg.model, attention_impl="tiled"))
+  arrays, meta = expected(name)
+  if name == "marian":
+    got = np.asarray(decode.greedy_translate(model, params, jnp.asarray(arrays["inputs"]), max_extra_len=50,
+                                             suppress_pad=cfg.decode.suppress_pad))
+    np.testing.assert_array_equal(got[:, :np.asarray(meta["greedy"]).shape[1]], meta["greedy"])
+  else:
+    got = decode.generate(model, params, meta["prompts"], 8, jax.random.key(0), temperature=0, eos_id=cfg.model.eos_id)
+    np.testing.assert_array_equal(np.asarray(got), meta["greedy"])
+
+
 @pytest.mark.parametrize("variant", ["default", "alpha0.6_true", "alpha0.5_never", "alpha1.5", "alpha1.5_true"])
 def test_marian_beam_search_with_hf_length_penalty_matches_generate(converted, variant):
   _, cfg, model, params, _ = converted("marian")

@@ -229,3 +229,90 @@ def test_cudnn_arguments_mean_the_reference_mask(causal):
   out = jax.nn.dot_product_attention(q, k, v, implementation="xla", **args)
   out_ref, *_, valid = reference(q, k, v, seg, seg, causal, d_out)
   np.testing.assert_allclose(np.asarray(out)[valid], out_ref[valid], atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- through the dispatcher
+
+def test_the_dispatcher_picks_splash_and_cudnn_where_they_hold_and_says_why_not():
+  from jaxformer import layers
+  choose = layers.choose_attention
+  llama, gpt2 = (2, 256, 32, 128), (2, 256, 12, 64)
+  kv = lambda q, kvh: (q[0], q[1], kvh, q[3])  # pylint: disable=unnecessary-lambda-assignment
+  assert choose("auto", llama, kv(llama, 8), jnp.bfloat16, False, "tpu", causal=True) == ("splash", "auto on tpu")
+  choice, reason = choose("auto", gpt2, kv(gpt2, 12), jnp.bfloat16, False, "tpu", causal=True)
+  assert choice == "tiled" and "head_dim 64" in reason
+  choice, reason = choose("splash", llama, kv(llama, 8), jnp.bfloat16, False, "cpu", causal=True, alibi=True)
+  assert choice == "tiled" and "ALiBi" in reason
+  one = (2, 1, 32, 128)  # a decode step against a 256-slot cache
+  assert "KV cache" in choose("auto", one, kv(llama, 8), jnp.bfloat16, False, "tpu", slotted=True)[1]
+  assert choose("auto", gpt2, kv(gpt2, 12), jnp.bfloat16, False, "gpu", causal=True)[0] == "cudnn"
+  choice, reason = choose("auto", gpt2, kv(gpt2, 12), jnp.float32, False, "gpu", causal=True)
+  assert choice == "xla" and "float32" in reason
+  assert choose("cudnn", gpt2, kv(gpt2, 12), jnp.bfloat16, True, "gpu")[0] == "einsum"  # dropout: dense only
+
+
+def test_cudnn_rows_ok_only_for_one_sequence_then_padding():
+  ok = lambda q, kv: bool(kernels.cudnn_rows_ok(jnp.asarray(q), jnp.asarray(kv)))  # pylint: disable=unnecessary-lambda-assignment
+  assert ok([[1, 1, 1, 0], [1, 1, 0, 0]], [[1, 1, 1, 0], [1, 0, 0, 0]])
+  assert not ok([[1, 1, 2, 2], [1, 1, 0, 0]], [[1, 1, 2, 2], [1, 1, 0, 0]])  # packed
+  assert not ok([[1, 0, 1, 0]], [[1, 1, 1, 0]])  # a hole: not a prefix
+  assert not ok([[0, 0, 0, 0]], [[0, 0, 0, 0]])  # an all-padding (filler) row
+  assert not ok([[2, 2, 0, 0]], [[1, 1, 0, 0]])  # q and kv in different segments
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_cudnn_through_the_dispatcher_equals_the_reference(monkeypatch, packed):
+  """cuDNN replaced by the XLA implementation given the same arguments (no GPU here): a padded batch
+  runs it, a packed one the tiled kernel (lax.cond on the segment ids), both the reference's numbers."""
+  from jaxformer import layers
+  calls = []
+
+  def fake_cudnn(q, k, v, q_segment=None, kv_segment=None, *, causal):
+    calls.append(causal)
+    return jax.nn.dot_product_attention(q, k, v, implementation="xla",
+                                        **kernels.cudnn_arguments(q_segment, kv_segment, causal=causal))
+
+  monkeypatch.setattr(kernels, "cudnn_attention", fake_cudnn)
+  q, k, v, d_out = (x.astype(jnp.bfloat16) for x in _inputs(2, 16, 16, 4, 2, 8, seed=5))  # cuDNN: bf16
+  seg = np.array([[1] * 6 + [2] * 10, [1] * 12 + [0] * 4] if packed else [[1] * 16, [1] * 12 + [0] * 4], np.int32)
+  slots = jnp.arange(16)
+  out = jax.jit(lambda q, k, v, s: layers.dot_product_attention(q, k, v, s, s, slots, slots, implementation="cudnn",
+                                                                causal=True))(q, k, v, jnp.asarray(seg))
+  assert calls == [True]  # traced into the program (which branch runs is the segment ids' call)
+  out_ref, *_, valid = reference(*(np.asarray(x, np.float32) for x in (q, k, v)), seg, seg, True,
+                                 np.asarray(d_out, np.float32))
+  assert out.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(out, np.float32)[valid], out_ref[valid], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.slow
+def test_splash_in_a_llama_model_equals_einsum(monkeypatch):
+  """attention_impl=splash (interpret mode) in a 2-layer Llama-style model with head_dim 128 and GQA:
+  the logits and the gradients of a next-token loss over packed + padded rows equal the einsum path's."""
+  import functools
+  from jaxformer import config as config_lib
+  from jaxformer import model as model_lib
+  monkeypatch.setattr(kernels, "splash_attention", functools.partial(kernels.splash_attention, interpret=True))
+  over = ["model.d_model=256", "model.num_heads=2", "model.num_kv_heads=1", "model.max_len=128"]
+  build = lambda impl: model_lib.build_model(config_lib.load_config(  # pylint: disable=unnecessary-lambda-assignment
+      "llama_tiny", over + [f"model.attention_impl={impl}"]).model)
+  ref_model, splash_model = build("einsum"), build("splash")
+  rng = np.random.default_rng(6)
+  ids = jnp.asarray(rng.integers(3, 68, (2, 128)), jnp.int32)
+  seg = jnp.asarray([[1] * 70 + [2] * 58, [1] * 100 + [0] * 28], jnp.int32)
+  pos = jnp.asarray(np.stack([np.r_[np.arange(70), np.arange(58)], np.arange(128)]), jnp.int32)
+  targets = jnp.asarray(rng.integers(3, 68, (2, 128)), jnp.int32)
+  params = ref_model.init(jax.random.key(0), ids[:1, :8])["params"]
+
+  def run(m):
+    def loss(p):
+      logits = m.apply({"params": p}, ids, seg, pos)
+      nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
+      return jnp.sum(jnp.where(seg != 0, nll, 0.0)) / jnp.sum(seg != 0), logits
+    return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+
+  (_, ref_logits), ref_grads = run(ref_model)
+  (_, logits), grads = run(splash_model)
+  valid = np.asarray(seg) != 0
+  np.testing.assert_allclose(np.asarray(logits)[valid], np.asarray(ref_logits)[valid], **FWD_TOL)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), **BWD_TOL), grads, ref_grads)

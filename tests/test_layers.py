@@ -11,7 +11,7 @@ import pytest
 from jaxformer import layers
 from jaxformer.config import ModelConfig, replace
 
-_IMPLS = ("einsum", "xla")
+_IMPLS = ("einsum", "tiled", "xla", "auto")  # on CPU auto is einsum at these sizes: the dispatch test checks the rule
 
 
 def key(seed):
@@ -87,16 +87,20 @@ def test_make_attention_mask(causal):
   np.testing.assert_array_equal(np.asarray(mask[:, 0]), np_mask(SEGMENTS, causal))
 
 
+def ids(segments, causal):
+  """(q_segment, kv_segment, q_slot, kv_slot) of self-attention over `segments` [b, n]."""
+  seg = jnp.asarray(segments)
+  slots = jnp.arange(seg.shape[1]) if causal else None
+  return seg, seg, slots, slots
+
+
 @pytest.mark.parametrize("impl", _IMPLS)
 @pytest.mark.parametrize("kvh", [4, 2, 1])  # MHA, GQA, MQA
 @pytest.mark.parametrize("causal", [False, True])
 def test_attention_matches_numpy(impl, kvh, causal):
   q, k, v = random_qkv(kvh=kvh)
-  seg = jnp.asarray(SEGMENTS)
-  slots = jnp.arange(6) if causal else None
-  mask = layers.make_attention_mask(seg, seg, slots, slots)
-  out = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask,
-               implementation=impl)
+  out = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), *ids(SEGMENTS, causal), implementation=impl,
+               causal=causal)
   assert out.shape == q.shape
   ref = np_attention(q, k, v, np_mask(SEGMENTS, causal))
   real = SEGMENTS != 0  # padding queries see nothing: their output is unspecified (but finite)
@@ -113,10 +117,9 @@ def test_causal_blocks_match_numpy_and_the_full_square(kvh):
   segments = np.ones((2, t), np.int32)
   segments[1, 150:] = 2  # a packed second document
   segments[1, -10:] = 0  # and padding
-  seg, slots = jnp.asarray(segments), jnp.arange(t)
-  mask = layers.make_attention_mask(seg, seg, slots, slots)
-  blocked = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask, implementation="einsum", causal=True)
-  full = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask, implementation="einsum")
+  args = ids(segments, True)
+  blocked = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), *args, implementation="einsum", causal=True)
+  full = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), *args, implementation="einsum")
   real = segments != 0
   ref = np_attention(q, k, v, np_mask(segments, True))
   np.testing.assert_allclose(np.asarray(blocked)[real], ref[real], atol=1e-5, rtol=1e-5)
@@ -124,34 +127,35 @@ def test_causal_blocks_match_numpy_and_the_full_square(kvh):
 
   def loss(causal):
     return jax.jit(jax.grad(lambda q_, k_, v_: jnp.sum(jnp.where(
-        real[:, :, None, None], layers.dot_product_attention(q_, k_, v_, mask, causal=causal), 0.0) ** 2),
+        real[:, :, None, None], layers.dot_product_attention(q_, k_, v_, *args, implementation="einsum",
+                                                             causal=causal), 0.0) ** 2),
         argnums=(0, 1, 2)), compiler_options=FAST_COMPILE)(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
   for g_blocked, g_full in zip(loss(True), loss(False)):
     np.testing.assert_allclose(np.asarray(g_blocked), np.asarray(g_full), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("impl", _IMPLS)
-def test_attention_with_bias_matches_numpy(impl):
+def test_alibi_matches_numpy(impl):
+  """ALiBi from slopes and positions (packed: positions restart per document) = numpy's bias."""
   q, k, v = random_qkv(seed=1, kvh=2)
-  rng = np.random.default_rng(5)
-  bias = rng.normal(size=(1, 4, 6, 6)).astype(np.float32)
-  seg = jnp.asarray(SEGMENTS)
-  mask = layers.make_attention_mask(seg, seg, jnp.arange(6), jnp.arange(6))
-  out = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask,
-               bias=jnp.asarray(bias), implementation=impl)
+  positions = np.array([[0, 1, 2, 3, 0, 0], [0, 1, 2, 0, 1, 0]], np.int32)
+  slopes = layers.alibi_slopes(4)
+  out = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), *ids(SEGMENTS, True), alibi_slopes=slopes,
+               q_position=jnp.asarray(positions), kv_position=jnp.asarray(positions), implementation=impl)
+  bias = -slopes[None, :, None, None] * np.abs(positions[:, :, None] - positions[:, None, :])[:, None]
   ref = np_attention(q, k, v, np_mask(SEGMENTS, True), bias)
   real = SEGMENTS != 0
   np.testing.assert_allclose(np.asarray(out)[real], ref[real], atol=1e-5, rtol=1e-5)
 
 
-def test_cross_attention_shapes_match_numpy():
+@pytest.mark.parametrize("impl", _IMPLS)
+def test_cross_attention_shapes_match_numpy(impl):
   """q_len != kv_len (cross-attention): decoder segments attend to the matching encoder segment."""
   q, k, v = random_qkv(seed=2, t=3, s=5, kvh=2)
   q_seg = np.array([[1, 1, 0], [1, 2, 2]], np.int32)
   kv_seg = np.array([[1, 1, 1, 0, 0], [1, 1, 2, 2, 2]], np.int32)
-  mask = layers.make_attention_mask(jnp.asarray(q_seg), jnp.asarray(kv_seg))
-  out = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask,
-               implementation="einsum")
+  out = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(q_seg), jnp.asarray(kv_seg),
+               implementation=impl)
   ref_mask = (q_seg[:, :, None] == kv_seg[:, None, :]) & (kv_seg[:, None, :] != 0)
   ref = np_attention(q, k, v, ref_mask)
   real = q_seg != 0
@@ -162,59 +166,71 @@ def test_cross_attention_shapes_match_numpy():
 @pytest.mark.parametrize("kvh", [2, 1])
 def test_gqa_equals_mha_with_repeated_kv_heads(impl, kvh):
   q, k, v = random_qkv(seed=3, kvh=kvh)
-  seg = jnp.asarray(SEGMENTS)
-  mask = layers.make_attention_mask(seg, seg, jnp.arange(6), jnp.arange(6))
-  grouped = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask,
-                   implementation=impl)
+  grouped = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), *ids(SEGMENTS, True), implementation=impl)
   g = 4 // kvh
   full = attend(jnp.asarray(q), jnp.repeat(jnp.asarray(k), g, axis=2),
-                jnp.repeat(jnp.asarray(v), g, axis=2), mask, implementation=impl)
+                jnp.repeat(jnp.asarray(v), g, axis=2), *ids(SEGMENTS, True), implementation=impl)
   np.testing.assert_allclose(np.asarray(grouped), np.asarray(full), atol=1e-6)
 
 
-@pytest.mark.parametrize("kvh", [4, 2, 1])
-def test_xla_path_equals_einsum_path(kvh):
-  q, k, v = random_qkv(seed=4, kvh=kvh)
-  seg = jnp.asarray(SEGMENTS)
-  mask = layers.make_attention_mask(seg, seg, jnp.arange(6), jnp.arange(6))
-  bias = -jnp.asarray(layers.alibi_slopes(4))[None, :, None, None] * jnp.abs(
-      jnp.arange(6)[:, None] - jnp.arange(6)[None, :]).astype(jnp.float32)
-  for b in (None, bias):
-    a = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask, b,
-               implementation="einsum")
-    x = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask, b,
-               implementation="xla")
-    np.testing.assert_allclose(np.asarray(a), np.asarray(x), atol=1e-5)
+def test_auto_picks_dense_below_and_tiled_above_the_threshold():
+  """The dispatcher's rule on CPU, and that it says why; dropout keeps the dense path."""
+  n, thr = 8, layers.TILED_MIN_LENGTH
+  shape = lambda t: (1, t, 4, n)  # pylint: disable=unnecessary-lambda-assignment
+  assert layers.choose_attention("auto", shape(512), shape(512), jnp.float32, False, "cpu")[0] == "einsum"
+  assert layers.choose_attention("auto", shape(1), shape(4 * thr), jnp.float32, False, "cpu")[0] == "einsum"
+  choice, reason = layers.choose_attention("auto", shape(thr), shape(thr), jnp.float32, False, "cpu")
+  assert choice == "tiled" and str(thr) in reason
+  assert layers.choose_attention("tiled", shape(8), shape(8), jnp.float32, False, "cpu")[0] == "tiled"
+  # An explicit request is honoured whatever the default backend (compiling for a TPU from a CPU).
+  assert layers.choose_attention("cudnn", shape(8), shape(8), jnp.bfloat16, False, "cpu")[0] == "cudnn"
+  choice, reason = layers.choose_attention("xla", shape(8), shape(8), jnp.float32, True, "gpu")
+  assert choice == "einsum" and "dropout" in reason and "xla requested" in reason
+
+
+def test_attention_choice_is_logged_once_per_program():
+  lines = []
+  layers.log_attention_choices(lines.append)
+  try:
+    q, k, v = random_qkv(seed=9, t=5)
+    for _ in range(2):
+      layers.dot_product_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), *ids(SEGMENTS[:, :5], True),
+                                   implementation="tiled")
+  finally:
+    layers.log_attention_choices(None)
+  mine = [line for line in lines if "(2, 5, 4, 8)" in line]
+  assert len(mine) == 1 and mine[0].startswith("attention: tiled") and "requested" in mine[0], lines
 
 
 def _weights_probe(b=2, t=6, h=4):
   """q, k and a one-hot v so that the attention output *is* the attention weights [b, t, h, s]."""
   q, k, _ = random_qkv(seed=6, b=b, t=t, h=h, kvh=h, d=t)
   v = np.broadcast_to(np.eye(t, dtype=np.float32)[None, :, None, :], (b, t, h, t))
-  mask = jnp.ones((b, 1, t, t), bool)
+  seg = jnp.ones((b, t), jnp.int32)  # every key visible
   ref = np_attention(q, k, v, np.ones((b, t, t), bool))
-  return jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask, ref
+  return jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), (seg, seg), ref
 
 
 def test_attention_dropout():
   q, k, v, mask, weights = _weights_probe()
   rate = 0.5
   # deterministic=True: no dropout whatever the rate, on every path.
-  for impl in ("auto", "einsum", "xla"):
-    out = attend(q, k, v, mask, dropout_rate=rate, deterministic=True, implementation=impl)
+  for impl in _IMPLS:
+    out = attend(q, k, v, *mask, dropout_rate=rate, deterministic=True, implementation=impl)
     np.testing.assert_allclose(np.asarray(out), weights, atol=1e-5)
   # With dropout on, every implementation runs the one dropout path (same key, same drops).
   drop_key = key(7)
   drop = {impl: np.asarray(attend(
-      q, k, v, mask, dropout_rate=rate, dropout_rng=drop_key, deterministic=False, implementation=impl))
-          for impl in ("auto", "einsum", "xla")}
+      q, k, v, *mask, dropout_rate=rate, dropout_rng=drop_key, deterministic=False, implementation=impl))
+          for impl in _IMPLS}
   assert not np.allclose(drop["einsum"], weights, atol=1e-3)
   np.testing.assert_allclose(drop["xla"], drop["einsum"], atol=1e-6)
   np.testing.assert_allclose(drop["auto"], drop["einsum"], atol=1e-6)
+  np.testing.assert_allclose(drop["tiled"], drop["einsum"], atol=1e-6)
   # deterministic=False: each weight is either dropped (0) or kept and scaled by 1/(1-rate).
   n = 1000
   sample = jax.jit(jax.vmap(lambda k_: layers.dot_product_attention(
-      q, k, v, mask, dropout_rate=rate, dropout_rng=k_, deterministic=False, implementation="einsum")),
+      q, k, v, *mask, dropout_rate=rate, dropout_rng=k_, deterministic=False, implementation="einsum")),
       compiler_options=FAST_COMPILE)
   outs = np.asarray(sample(jax.random.split(key(0), n)))
   kept = ~np.isclose(outs, 0.0, atol=1e-7)

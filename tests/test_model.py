@@ -164,17 +164,38 @@ def test_decoder_only_causality_padding_and_packing(name, overrides):
   close(out[3, 3:7], alone_b[:4])
 
 
-def test_xla_attention_implementation_matches_einsum_in_the_model():
-  """attention_impl=xla (jax.nn.dot_product_attention, what GPUs use) gives the einsum path's logits."""
+@pytest.mark.parametrize("impl", ["xla", "tiled"])
+def test_attention_implementations_match_einsum_in_the_model(impl):
+  """attention_impl=xla (jax.nn.dot_product_attention) and tiled (jaxformer.attention) give the
+  einsum path's logits, and the same gradients of a masked next-token loss (an LM with ALiBi,
+  packed and padded rows; an encoder-decoder with ALiBi and MQA, so cross-attention too)."""
   name, overrides = LM_CONFIGS[3]  # alibi: the bias goes through both paths too
   model, params = make(name, **overrides)
-  xla_model, _ = make(name, attention_impl="xla", **overrides)
+  other, _ = make(name, attention_impl=impl, **overrides)
   vocab = model.cfg.vocab_size
   rows = [(tokens(0, 9, vocab), np.array([1] * 5 + [2] * 4), np.r_[np.arange(5), np.arange(4)]),
           (tokens(1, 6, vocab), np.array([0, 0, 1, 1, 1, 1]), np.r_[[0, 0], np.arange(4)])]
-  ref, out = lm(model, params, rows), lm(xla_model, params, rows)
+  ref, out = lm(model, params, rows), lm(other, params, rows)
   close(out[0], ref[0])
   close(out[1, 2:6], ref[1, 2:6])
+  ids, seg, pos = _pad_rows(rows, LM_LEN)
+  targets = jnp.asarray(tokens(2, (ROWS, LM_LEN), vocab))
+
+  def grads(m):
+    def loss(p):
+      logp = jax.nn.log_softmax(m.apply({"params": p}, ids, seg, pos))
+      nll = -jnp.take_along_axis(logp, targets[..., None], -1)[..., 0]
+      return jnp.sum(jnp.where(seg != 0, nll, 0.0)) / jnp.sum(seg != 0)
+    return jax.jit(jax.grad(loss), compiler_options=FAST_COMPILE)(params)
+  jax.tree.map(lambda a, b: close(a, b), grads(other), grads(model))
+
+  s2s_model, s2s_params = make("tiny_encdec", **S2S_CONFIGS[3])
+  s2s_other, _ = make("tiny_encdec", attention_impl=impl, **S2S_CONFIGS[3])
+  src = [(tokens(3, 8, 64), None, None, tokens(4, 9, 64), None, None),
+         (tokens(5, 5, 64), None, None, tokens(6, 7, 64), None, None)]
+  ref, out = s2s(s2s_model, s2s_params, src), s2s(s2s_other, s2s_params, src)
+  close(out[0], ref[0])
+  close(out[1, :7], ref[1, :7])
 
 
 @pytest.mark.parametrize("overrides", S2S_CONFIGS)
