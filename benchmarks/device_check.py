@@ -25,7 +25,6 @@ import argparse
 import datetime
 import functools
 import importlib.util
-import logging
 import os
 import sys
 import time
@@ -40,6 +39,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 from jaxformer import aot  # pylint: disable=g-import-not-at-top
 from jaxformer import config as config_lib
 from jaxformer import inspect as inspect_lib
+from jaxformer import layers
 from jaxformer import model as model_lib
 from jaxformer import optim
 from jaxformer import sharding
@@ -66,25 +66,11 @@ FAST = {"gpt2_small": ("gpt2_tiny", ["model.dtype=bfloat16", "model.num_layers=1
 DECODE = {False: ("gpt2_small", ["model.dtype=bfloat16"], 128, 128), True: ("gpt2_tiny", ["model.dtype=bfloat16"], 8, 8)}
 
 
-class KernelLog(logging.Handler):
-  """Collects the attention dispatcher's log lines (logger "jaxformer") while a program is traced."""
-
-  def __init__(self):
-    super().__init__(logging.INFO)
-    self.lines = []
-
-  def emit(self, record):
-    message = record.getMessage()
-    if "attention" in message:
-      self.lines.append(message)
-
-
 def capture_kernels():
-  handler = KernelLog()
-  logger = logging.getLogger("jaxformer")
-  logger.addHandler(handler)
-  logger.setLevel(min(logger.level or logging.INFO, logging.INFO))
-  return handler, lambda: logger.removeHandler(handler)
+  """(lines, stop): the dispatcher's choices (`layers.log_attention_choices`) while programs are traced."""
+  lines = []
+  layers.log_attention_choices(lines.append)
+  return lines, lambda: layers.log_attention_choices(None)
 
 
 def train_variant(name, recipe, overrides, shape, mesh, seed=0):
@@ -105,19 +91,19 @@ def train_variant(name, recipe, overrides, shape, mesh, seed=0):
   tokens = sum(b["targets"].size + (b["inputs"].size if not lm else 0) for b in batches[:1])
   flops = batches[0]["targets"].size * inspect_lib.flops_per_token(cfg, shape[-1])["train"]
   batches = [sharding.global_batch(b, sharding.batch_sharding(mesh)) for b in batches]
-  handler, done = capture_kernels()
+  lines, done = capture_kernels()
   try:
     variant = train_step.Variant(name, 1, {}, cfg, (mesh, task, model, tx, schedule, init_fn, rng, state_sharding),
                                  batches)
   finally:
     done()
-  return variant, cfg, flops, tokens, handler.lines
+  return variant, cfg, flops, tokens, lines
 
 
 def decode_check(fast, bandwidth, peak):
   """(lines) batch-1 greedy decode of gpt2_small against the bandwidth roofline."""
   recipe, overrides, prompt_len, new = DECODE[fast]
-  handler, done = capture_kernels()
+  lines, done = capture_kernels()
   try:
     cfg, model, params = decode_vs_hf.build(recipe, overrides)
     params = jax.device_put(jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), params))
@@ -130,7 +116,7 @@ def decode_check(fast, bandwidth, peak):
   per_token = (total - prefill) / (new - 1)
   bound, weights, kv = decode_vs_hf.roofline(cfg, jax.tree.map(np.asarray, params), 1, prompt_len + new // 2,
                                              bandwidth, peak, "bfloat16")
-  return handler.lines, [
+  return lines, [
       f"decode {cfg.name} batch 1, prompt {prompt_len}, {new} new tokens (bf16 weights and cache): "
       f"prefill {prefill * 1e3:.1f} ms, {per_token * 1e3:.2f} ms/token; roofline {bound * 1e3:.3f} ms/token "
       f"(weights {weights / 2**20:.0f} MiB + KV {kv / 2**20:.1f} MiB at {bandwidth / 1e9:.0f} GB/s) "
@@ -169,7 +155,7 @@ def main(argv=None):
     variants.append((variant, cfg, flops, tokens))
     print(f"\n{label} ({cfg.name}, {cfg.model.dtype}, model.attention_impl={cfg.model.attention_impl}), batch "
           f"{shape[0]} x {'+'.join(map(str, shape[1:]))} per device; compiled in {variant.compile_s:.1f} s")
-    for line in kernels or ["(no attention log line: this version's dispatcher logs none)"]:
+    for line in kernels or ["(none logged: these shapes were traced before in this process)"]:
       print(f"  kernel: {line}")
   for _ in range(args.rounds):  # interleaved, so a drifting machine slows both alike
     for variant, *_ in variants:
@@ -181,7 +167,7 @@ def main(argv=None):
           f"{100 * flops / wall / peak:6.1f}%{variant.temp_mib:10,.0f}")
   kernels, lines = decode_check(args.fast, bandwidth, peak)
   print()
-  for line in kernels or ["(no attention log line: this version's dispatcher logs none)"]:
+  for line in kernels or ["(none logged: these shapes were traced before in this process)"]:
     print(f"  kernel: {line}")
   for line in lines:
     print(line)

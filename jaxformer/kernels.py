@@ -12,7 +12,6 @@ checked on CPU in Pallas' interpret mode, cuDNN only by the arguments it is give
 """
 
 import functools
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -26,19 +25,6 @@ from jaxformer import sharding
 # tests exercise in the forward pass.
 SPLASH_BLOCKS = (512, 256, 128)
 _LANES = 128
-
-
-_LOGGED = set()
-
-
-def log_choice(kernel, reason, q_shape, kv_shape):
-  """Logs once per (kernel, reason, shapes) which attention kernel a program runs and why."""
-  key = (kernel, reason, tuple(q_shape), tuple(kv_shape))
-  if key not in _LOGGED:
-    _LOGGED.add(key)
-    why = f": {reason}" if reason else ""
-    logging.getLogger("jaxformer").warning("attention q %s kv %s -> %s%s", tuple(q_shape), tuple(kv_shape),
-                                           kernel, why)
 
 
 def _block(n):
