@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from jaxformer import layers
 from jaxformer import losses
 from jaxformer import sharding
 from jaxformer.config import ModelConfig, load_config
@@ -163,16 +164,28 @@ def matmul_parameters(cfg):
   return counts
 
 
-def flops_per_token(cfg, seq_len, context=None):
-  """FLOPs per (target) token: dict(train, forward, decode).
+def attention_kernel(cfg, seq_len, backend=None):
+  """(kernel, reason) `layers.dot_product_attention` picks for a training step at seq_len on
+  `backend` (default: this process's), no dropout unless the config has it."""
+  m = _model_cfg(cfg)
+  shape = (1, seq_len, m.num_heads, m.dim_per_head)
+  kv = (1, seq_len, m.kv_heads, m.dim_per_head)
+  return layers.choose_attention(m.attention_impl, shape, kv, m.dtype, m.attention_dropout_rate > 0, backend)
+
+
+def flops_per_token(cfg, seq_len, context=None, backend=None):
+  """FLOPs per (target) token: dict(train, forward, decode, train_executed).
 
   forward = 2 x matmul weights (see `matmul_parameters`; embedding lookups and position
   tables are not matmuls) + 4 x heads x head_dim per layer per key attended (q.k scores
   and the weighted sum of v). Causal self-attention at length L attends to (L+1)/2 keys
   on average; the encoder and cross-attention attend to all L (source length = target
-  length). train = 3 x forward (backward ~ 2 x forward). decode = one new token of the
-  decoder at `context` cached keys (default seq_len; cross-attention over a source of
-  the same length); the encoder runs once per sentence and is not counted.
+  length). train = 3 x forward (backward ~ 2 x forward): the model FLOPs MFU counts.
+  train_executed adds what the attention kernel picked for `backend` at seq_len
+  (`attention_kernel`) recomputes: the tiled kernel's backward redoes q.k per tile, so
+  its attention costs 3.5 x forward, not 3 x. decode = one new token of the decoder at
+  `context` cached keys (default seq_len; cross-attention over a source of the same
+  length); the encoder runs once per sentence and is not counted.
   """
   m = _model_cfg(cfg)
   context = seq_len if context is None else context
@@ -182,7 +195,8 @@ def flops_per_token(cfg, seq_len, context=None):
   keys = m.num_layers * (seq_len + 1) / 2 + m.encoder_layers * seq_len + (m.num_layers * seq_len if cross else 0)
   forward = 2 * (p["encoder"] + p["decoder"] + p["output"]) + per_key * keys
   decode = 2 * (p["decoder_step"] + p["output"]) + per_key * m.num_layers * context * (2 if cross else 1)
-  return dict(train=3 * forward, forward=forward, decode=decode)
+  recompute = per_key * keys / 2 if attention_kernel(m, seq_len, backend)[0] == "tiled" else 0.0
+  return dict(train=3 * forward, forward=forward, decode=decode, train_executed=3 * forward + recompute)
 
 
 def _itemsize(dtype):
@@ -401,11 +415,13 @@ def report(cfg, dtype="bfloat16", batch=1, contexts=(4096, 32768), seq_len=None)
   lines.append(f"  FFN share: {100 * counts['ffn'] / total:.1f}%")
 
   flops = flops_per_token(cfg, seq_len)
+  kernel, why = attention_kernel(cfg, seq_len)
   p = matmul_parameters(cfg)
   lines += ["", f"FLOPs per token at sequence length {seq_len:,}"
             f" ({2 * sum(v for k, v in p.items() if k != 'decoder_step'):,} from matmul weights)",
             f"  forward       {_si(flops['forward'], 'FLOP')}",
             f"  train (3x)    {_si(flops['train'], 'FLOP')}",
+            f"  train run     {_si(flops['train_executed'], 'FLOP')} with the {kernel} attention kernel ({why})",
             f"  decode        {_si(flops['decode'], 'FLOP')} at context {seq_len:,}",
             f"  (causal self-attention counted honestly: {(seq_len + 1) / 2:,} keys per query on average,"
             f" (L+1)/2{'; source length = target length' if m.arch == 'encoder_decoder' else ''})"]

@@ -335,11 +335,11 @@ def choose_attention(implementation, q_shape, kv_shape, dtype, dropout, backend=
   if implementation != "auto":
     return implementation, "requested"
   if q_len * kv_len >= TILED_MIN_LENGTH ** 2:
-    return "tiled", f"auto: q_len x kv_len {q_len}x{kv_len} >= {TILED_MIN_LENGTH}^2 (linear memory)"
+    return "tiled", f"q_len x kv_len {q_len}x{kv_len} >= {TILED_MIN_LENGTH}^2: memory linear in the length"
   if backend == "gpu":
-    return "xla", (f"auto on gpu below {TILED_MIN_LENGTH}^2, cuDNN cannot ({reason}): "
+    return "xla", (f"gpu, below {TILED_MIN_LENGTH}^2, cuDNN cannot ({reason}): "
                    "jax.nn.dot_product_attention's XLA path")
-  return "einsum", f"auto on {backend} below {TILED_MIN_LENGTH}^2: dense head-major matmuls"
+  return "einsum", f"{backend}, below {TILED_MIN_LENGTH}^2: dense head-major matmuls"
 
 
 def _report(implementation, choice, reason, q_shape, kv_shape, dtype):

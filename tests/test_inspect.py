@@ -128,6 +128,25 @@ def test_forward_flops_close_to_xla_cost_analysis(name):
   assert xla == pytest.approx(_full_square(cfg, length), rel=0.10)
 
 
+def test_memory_plan_and_flops_follow_the_attention_kernel():
+  """On CPU `auto` runs the tiled kernel from 2048 tokens: the plan's activations then grow
+  linearly (the dense path's by ~x3.5 per doubling), and the executed FLOPs add its
+  backward's recompute of q.k (half the attention's forward FLOPs)."""
+  base = ["model.position=rope", "model.num_layers=2", "model.d_model=64", "model.d_ff=256"]
+  auto, dense = (load_config("shakespeare_char", base + [f"model.attention_impl={impl}"]) for impl in ("auto", "einsum"))
+  acts = {(c.model.attention_impl, n): inspect.memory_plan(c, {"data": 1}, 1, (n,))["activations"]
+          for c in (auto, dense) for n in (2048, 4096)}
+  assert acts["auto", 4096] / acts["auto", 2048] <= 2.3
+  assert acts["einsum", 4096] / acts["einsum", 2048] > 3
+  assert acts["einsum", 4096] > 4 * acts["auto", 4096]
+  assert inspect.attention_kernel(auto, 4096, "cpu")[0] == "tiled"
+  f = inspect.flops_per_token(auto, 4096, backend="cpu")
+  attention = 4 * 4 * 16 * 2 * (4096 + 1) / 2  # 4 FLOP x heads x head_dim per key, 2 layers
+  assert f["train_executed"] == pytest.approx(f["train"] + attention / 2)
+  short = inspect.flops_per_token(auto, 1024, backend="cpu")
+  assert short["train_executed"] == short["train"]  # the dense path there recomputes nothing
+
+
 def test_flops_formula_by_hand():
   cfg = load_config("llama_7b")
   f = inspect.flops_per_token(cfg, 2048, context=4096)
