@@ -2,6 +2,7 @@
 
     python benchmarks/attention_memory.py [--lengths 1024,2048,4096,8192,16384,32768]
         [--dense-max 8192] [--plot docs/attention_memory.png] [--config shakespeare_char] [overrides ...]
+    python benchmarks/attention_memory.py --replot SAVED_OUTPUT --plot docs/attention_memory.png
 
 Compile only (`jaxformer.aot`, one CPU device, nothing allocated): for each length the
 trainer's own step for one sequence of a 2-layer, d_model 256, 4-head LM (RoPE, so no
@@ -43,7 +44,18 @@ def main(argv=None):
   parser.add_argument("--lengths", default="1024,2048,4096,8192,16384,32768")
   parser.add_argument("--dense-max", type=int, default=8192, help="longest length to compile the dense path at")
   parser.add_argument("--plot", help="write the curves to this PNG")
+  parser.add_argument("--replot", help="no compiles: redraw --plot from this script's printed table (a saved log)")
   args = parser.parse_args(argv)
+  if args.replot:
+    results = {"einsum": {}, "tiled": {}}
+    with open(args.replot) as f:
+      for line in f:
+        parts = line.split()
+        if len(parts) >= 6 and parts[0].isdigit() and parts[1] in results:
+          nums = [float(x) for x in parts[2:] if x.replace(".", "", 1).isdigit()]
+          temp, total, wall, cpu = nums[0], nums[-3], nums[-2], nums[-1]
+          results[parts[1]][int(parts[0])] = (temp, total, wall, cpu)
+    return plot(results, args.plot)
   lengths = [int(x) for x in args.lengths.split(",")]
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind} ({os.cpu_count()} CPUs), load {os.getloadavg()[0]:.1f}; "
         f"{args.config} {' '.join(MODEL + args.overrides)}; batch 1; MiB and seconds")
@@ -59,6 +71,12 @@ def main(argv=None):
       growth = f"{temp / prev[0]:.2f}" if prev else ""
       print(f"{length:>7} {impl:>7} {temp:>9.1f} {growth:>7} {total:>10.1f} {wall:>10.1f} {cpu:>7.1f}", flush=True)
   if args.plot:
+    plot(results, args.plot)
+
+
+def plot(results, path):
+  """Temporaries and compile CPU seconds against the length, one curve per kernel."""
+  if True:  # pylint: disable=using-constant-test
     import matplotlib  # pylint: disable=g-import-not-at-top
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -67,8 +85,8 @@ def main(argv=None):
     for impl, rows in results.items():
       xs = sorted(rows)
       mem_ax.plot(xs, [rows[x][0] for x in xs], "o-", label=labels[impl])
-      time_ax.plot(xs, [rows[x][2] for x in xs], "o-", label=labels[impl])
-    for ax, what in ((mem_ax, "XLA temporaries (MiB)"), (time_ax, "compile (s, wall)")):
+      time_ax.plot(xs, [rows[x][3] for x in xs], "o-", label=labels[impl])
+    for ax, what in ((mem_ax, "XLA temporaries (MiB)"), (time_ax, "lower + compile (CPU s)")):
       ax.set_xscale("log", base=2)
       ax.set_xlabel("tokens per sequence (batch 1)")
       ax.set_ylabel(what)
@@ -77,8 +95,8 @@ def main(argv=None):
     mem_ax.set_yscale("log")
     fig.suptitle("Train step of a 2-layer d_model 256 LM, compile only (benchmarks/attention_memory.py)")
     fig.tight_layout()
-    fig.savefig(args.plot, dpi=100)
-    print(f"wrote {args.plot}")
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -90,8 +90,7 @@ def packed_segments(b, t):
   return seg
 
 
-@pytest.mark.parametrize("kvh", [4, 2, 1])  # MHA, GQA, MQA
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kvh,causal", [(4, False), (2, True), (1, True)])  # MHA, GQA, MQA
 def test_self_attention_packed_and_padded(kvh, causal):
   b, t = 2, 19  # ragged: 19 = 4 * 4 + 3 query rows, 2 * 8 + 3 key rows
   q, k, v = qkv(0, b, t, 4, kvh, 8)
@@ -100,7 +99,7 @@ def test_self_attention_packed_and_padded(kvh, causal):
   check(q, k, v, seg, seg, slots, slots)
 
 
-@pytest.mark.parametrize("kvh", [4, 2])
+@pytest.mark.parametrize("kvh", [4, 1])
 def test_alibi_from_positions(kvh):
   """ALiBi per tile from positions that restart in each packed document."""
   b, t = 2, 21
