@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer import attention
+from jaxformer import kernels
 from jaxformer.config import ModelConfig
 
 # Masked logits get a large finite negative value, not -inf: a fully masked row
@@ -296,17 +297,19 @@ def log_attention_choices(log):
   _LOG[0] = log
 
 
-def choose_attention(implementation, q_shape, kv_shape, dtype, dropout, backend=None):
+def choose_attention(implementation, q_shape, kv_shape, dtype, dropout, backend=None, *, causal=False,
+                     slotted=False, alibi=False):
   """The kernel `dot_product_attention` runs -> (kernel, reason).
 
   implementation: `model.attention_impl`; q_shape [batch, q_len, heads, head_dim], kv_shape
   [batch, kv_len, kv_heads, head_dim]; dropout: whether attention dropout is on in this call;
   backend: jax.default_backend() unless given. An explicit choice is honoured whatever the
   default backend (compiling for a TPU topology from this CPU, `jax.default_backend()` is "cpu").
-
-  Hooks for issue 25 part B (`jaxformer/kernels.py`): `splash` (Pallas splash attention, TPU) and
-  `cudnn` (GPU) go to that module when it exists, e.g. `kernels.splash_supported(q_shape, kv_shape,
-  dtype)`; `auto` is where it would pick them on TPU / GPU first.
+  causal: the training causal mask (slots = arange); slotted: a mask from KV-cache slots
+  (decode); alibi: an ALiBi bias. These decide whether the backend kernels of
+  `jaxformer.kernels` can run: splash (Pallas, TPU) and cuDNN (GPU) each say why not, and the
+  tiled kernel runs instead. `auto` picks them first on their backend (neither has run on its
+  device in this project yet: BENCHMARKS.md, "device_check").
   """
   backend = backend or jax.default_backend()
   q_len, kv_len = q_shape[1], kv_shape[1]
@@ -314,18 +317,28 @@ def choose_attention(implementation, q_shape, kv_shape, dtype, dropout, backend=
     # Only the dense path implements attention dropout (off in every recipe).
     why = "attention dropout is on: only the dense path implements it"
     return "einsum", why if implementation in ("auto", "einsum") else f"{why} ({implementation} requested)"
-  if implementation == "splash":
-    try:
-      from jaxformer import kernels  # pylint: disable=g-import-not-at-top,unused-import  # issue 25 part B
-    except ImportError:
-      return "tiled", "splash requested but jaxformer.kernels (Pallas splash) is not in this build"
-    return "splash", "requested"
+  shape_args = dict(causal=causal, has_bias=alibi, decode=slotted and not causal)
+  if implementation == "splash" or (implementation == "auto" and backend == "tpu"):
+    # Requested by name, splash is checked as for a TPU whatever the default backend.
+    reason = kernels.splash_supported(q_shape, kv_shape, dtype, backend="tpu", **shape_args)
+    if reason is None:
+      return "splash", "requested" if implementation == "splash" else "auto on tpu"
+    return "tiled", f"splash {'requested' if implementation == 'splash' else 'is auto on tpu'} but {reason}"
+  if implementation == "cudnn" or (implementation == "auto" and backend == "gpu"):
+    # Segment ids are checked per batch (packed rows take the tiled kernel: `_cudnn_or_tiled`).
+    reason = kernels.cudnn_supported(q_shape, kv_shape, dtype, segments="padding", backend="gpu", **shape_args)
+    if reason is None:
+      why = "requested" if implementation == "cudnn" else "auto on gpu"
+      return "cudnn", f"{why}; a batch with packed rows (several segments) runs the tiled kernel"
+    if implementation == "cudnn":
+      return "tiled", f"cudnn requested but {reason}"
   if implementation != "auto":
     return implementation, "requested"
   if q_len * kv_len >= TILED_MIN_LENGTH ** 2:
     return "tiled", f"q_len x kv_len {q_len}x{kv_len} >= {TILED_MIN_LENGTH}^2: memory linear in the length"
-  if backend == "gpu":  # part B: cuDNN first where its constraints hold
-    return "xla", f"gpu, below {TILED_MIN_LENGTH}^2: jax.nn.dot_product_attention's XLA path"
+  if backend == "gpu":
+    return "xla", (f"gpu, below {TILED_MIN_LENGTH}^2, cuDNN cannot ({reason}): "
+                   "jax.nn.dot_product_attention's XLA path")
   return "einsum", f"{backend}, below {TILED_MIN_LENGTH}^2: dense head-major matmuls"
 
 
@@ -365,20 +378,29 @@ def dot_product_attention(q, k, v, q_segment, kv_segment, q_slot=None, kv_slot=N
   head-major matmuls (the CPU default at short lengths); `tiled`, FlashAttention-2 in JAX
   (`jaxformer.attention`, memory linear in the length); `xla`/`cudnn`,
   `jax.nn.dot_product_attention` with that implementation (JAX 0.10.2's `implementation=None`
-  is its XLA path, a dense score matrix, not cuDNN); `splash`, issue 25 part B.
+  is its XLA path, a dense score matrix, not cuDNN); `cudnn`, cuDNN flash attention with
+  `is_causal` and per-row lengths (`jaxformer.kernels`; untested on a GPU here); `splash`,
+  Pallas splash attention in `shard_map` over the mesh (`jaxformer.kernels`; TPU).
   """
   use_dropout = dropout_rate > 0.0 and not deterministic
-  choice, reason = choose_attention(implementation, q.shape, k.shape, q.dtype, use_dropout)
+  choice, reason = choose_attention(implementation, q.shape, k.shape, q.dtype, use_dropout, causal=causal,
+                                    slotted=q_slot is not None, alibi=alibi_slopes is not None)
   _report(implementation, choice, reason, q.shape, k.shape, q.dtype)
+  tiled = functools.partial(attention.flash_attention, q, k, v, q_segment, kv_segment, q_slot, kv_slot,
+                            alibi_slopes=alibi_slopes, q_position=q_position, kv_position=kv_position,
+                            causal=causal, matmul_dtype=matmul_dtype)
   if choice == "tiled":
-    return attention.flash_attention(q, k, v, q_segment, kv_segment, q_slot, kv_slot, alibi_slopes=alibi_slopes,
-                                     q_position=q_position, kv_position=kv_position, causal=causal,
-                                     matmul_dtype=matmul_dtype)
-  if choice == "splash":  # issue 25 part B fills this in (jaxformer/kernels.py)
-    raise NotImplementedError("splash attention: jaxformer.kernels")
+    return tiled()
+  if choice == "splash":
+    return kernels.splash_attention(q, k, v, q_segment, kv_segment, causal=causal)
+  if choice == "cudnn":
+    # cuDNN sees padding as one length per row; a packed batch is decided at run time.
+    return jax.lax.cond(kernels.cudnn_rows_ok(q_segment, kv_segment),
+                        lambda: kernels.cudnn_attention(q, k, v, q_segment, kv_segment, causal=causal).astype(q.dtype),
+                        lambda: tiled().astype(q.dtype))
   mask = make_attention_mask(q_segment, kv_segment, q_slot, kv_slot)
   bias = None if alibi_slopes is None else alibi_bias(alibi_slopes, q_position, kv_position)
-  if choice in ("xla", "cudnn"):
+  if choice == "xla":
     return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, implementation=choice)
   return _dense_attention(q, k, v, mask, bias, dropout_rate if use_dropout else 0.0, dropout_rng, causal,
                           matmul_dtype)

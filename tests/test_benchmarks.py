@@ -47,6 +47,17 @@ def test_train_step_also_rejects_a_data_change():
     train_step.main(["--config", "gpt2_tiny", "--also", "data.batch_size=3", "--fast"])
 
 
+@pytest.mark.slow
+def test_device_check_smoke_run_on_cpu(capsys):
+  """`--fast`: both train programs and the decode line on tiny configs; MFU and roofline printed."""
+  _load("device_check").main(["--fast"])
+  out = capsys.readouterr().out
+  assert re.search(r"^gpt2_small\s+[\d.]+\s+[\d,]+\s+[\d.]+\s+[\d.]+%", out, re.M), out
+  assert re.search(r"^wmt_base\s+[\d.]+", out, re.M), out
+  assert re.search(r"decode gpt2_tiny batch 1.*roofline", out), out
+  assert out.count("kernel: ") >= 3, out
+
+
 def test_ab_function_traces_the_old_function_for_before(tmp_path, monkeypatch, capsys):
   """ab_function.py swaps MODULE.NAME for the 'before' step and puts today's back."""
   from jaxformer import losses  # pylint: disable=g-import-not-at-top
