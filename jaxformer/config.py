@@ -10,6 +10,7 @@ import dataclasses
 import importlib.util
 import json
 import pathlib
+import re
 import types
 import typing
 
@@ -159,6 +160,9 @@ class TrainConfig:
   sample_every_eval: bool = True    # lm: print a sample at eval time
   eval_bleu_sentences: int = 0      # translation: greedy BLEU on this many dev sentences at each eval
   final_eval_split: str = ""        # translation: beam-search BLEU on this split when training ends
+  lora_rank: int = 0                # > 0: train LoRA adapters of this rank on a frozen train.init_from (jaxformer.lora)
+  lora_alpha: float = 16.0          # the adapters' product is scaled by lora_alpha / lora_rank
+  lora_targets: str = r"(query|key|value|out|wi|wi_gate|wi_up|wo)/kernel$"  # re.search over kernel paths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,6 +349,15 @@ def _validate(cfg):
     raise UserError(f"train.nan_policy={cfg.train.nan_policy!r}: choose skip or stop")
   if cfg.train.max_skipped_steps < 0:
     raise UserError(f"train.max_skipped_steps={cfg.train.max_skipped_steps} must be 0 (never stop) or more")
+  if cfg.train.lora_rank < 0:
+    raise UserError(f"train.lora_rank={cfg.train.lora_rank} must be 0 (off) or a positive rank")
+  if cfg.train.lora_rank:
+    if not cfg.train.init_from:
+      raise UserError("train.lora_rank needs train.init_from=WORKDIR: the frozen model the adapters are trained on")
+    try:
+      re.compile(cfg.train.lora_targets)
+    except re.error as e:
+      raise UserError(f"train.lora_targets={cfg.train.lora_targets!r} is not a regular expression ({e})") from e
   if cfg.train.lease_timeout_s <= 0:
     raise UserError(f"train.lease_timeout_s={cfg.train.lease_timeout_s:g} must be positive (seconds)")
 

@@ -8,6 +8,7 @@ run restarted from a checkpoint continues exactly as if it had never stopped.
 """
 
 import argparse
+import contextlib
 import functools
 import os
 import shlex
@@ -30,6 +31,7 @@ from jaxformer import decode
 from jaxformer import evaluate as evaluate_lib
 from jaxformer import inspect as inspect_lib
 from jaxformer import lease as lease_lib
+from jaxformer import lora
 from jaxformer import metrics as metrics_lib
 from jaxformer import model as model_lib
 from jaxformer import optim
@@ -45,27 +47,33 @@ def make_train_step(model, task, cfg, tx, schedule):
   summed gradients are divided by the total number of target tokens: the update is
   the same as for one big batch. A step whose loss or gradient is not finite leaves
   params and optimizer state untouched and is counted in `state["skipped"]`.
+
+  With LoRA (train.lora_rank > 0) `state["params"]` holds the adapters alone and the step takes
+  the frozen base params as a third argument, `train_step(state, batch, base)`: only the
+  adapters get gradients and optimizer updates (`jaxformer.lora`).
   """
   accum = cfg.optim.grad_accum_steps
   base_rng = jax.random.PRNGKey(cfg.train.seed)
 
-  def grads_of(params, batch, rng):
+  def grads_of(params, batch, rng, base):
     def loss_fn(p):
-      loss, nll, weight = task.loss(model, p, batch, {"dropout": rng}, False, cfg.optim.label_smoothing)
+      with lora.adapters_active(cfg):
+        full = p if base is None else lora.combine(base, p)
+        loss, nll, weight = task.loss(model, full, batch, {"dropout": rng}, False, cfg.optim.label_smoothing)
       return loss, (nll, weight)
     (loss, (nll, weight)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     return grads, loss, nll, weight
 
-  def train_step(state, batch):
+  def train_step(state, batch, base=None):
     rng = jax.random.fold_in(base_rng, state["step"])
     if accum == 1:
-      grads, loss, nll, weight = grads_of(state["params"], batch, rng)
+      grads, loss, nll, weight = grads_of(state["params"], batch, rng, base)
     else:
       micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
 
       def body(carry, xs):
         i, mb = xs
-        out = grads_of(state["params"], mb, jax.random.fold_in(rng, i))
+        out = grads_of(state["params"], mb, jax.random.fold_in(rng, i), base)
         return jax.tree.map(jnp.add, carry, out), None
 
       zeros = (jax.tree.map(jnp.zeros_like, state["params"]), 0.0, 0.0, 0.0)
@@ -96,15 +104,17 @@ def make_multi_step(train_step):
   it saves is the per-call cost, large for small models on CPU: Python dispatch, and
   XLA's scratch buffer, freshly allocated (and page-faulted in) at every call.
   """
-  def multi_step(state, batches):
-    return jax.lax.scan(train_step, state, jax.tree.map(lambda *xs: jnp.stack(xs), *batches))
+  def multi_step(state, batches, *extra):  # extra: the frozen base params of a LoRA run
+    return jax.lax.scan(lambda s, b: train_step(s, b, *extra), state, jax.tree.map(lambda *xs: jnp.stack(xs), *batches))
   return multi_step
 
 
-def make_eval_step(model, task):
-  """Returns `eval_step(params, batch) -> (loss_sum, nll_sum, tokens)` (no dropout, no smoothing)."""
-  def eval_step(params, batch):
-    return task.loss(model, params, batch, {}, True, 0.0)
+def make_eval_step(model, task, cfg=None):
+  """Returns `eval_step(params, batch[, base]) -> (loss_sum, nll_sum, tokens)` (no dropout, no smoothing);
+  a LoRA run's `params` are its adapters, on the frozen `base`."""
+  def eval_step(params, batch, base=None):
+    with lora.adapters_active(cfg) if cfg is not None else contextlib.nullcontext():
+      return task.loss(model, params if base is None else lora.combine(base, params), batch, {}, True, 0.0)
   return eval_step
 
 
@@ -117,9 +127,15 @@ def evaluate(eval_step, params, batches):
   return {"val_nll": nll, "val_ppl": float(np.exp(min(nll, 50.0))), "val_tokens": int(total[2])}
 
 
-def init_state(model, tx, init_inputs, rng):
-  """A fresh train state with boxed (logically named) params, for eval_shape and init."""
-  params = model.init(rng, *init_inputs)["params"]
+def init_state(model, tx, init_inputs, rng, cfg=None):
+  """A fresh train state with boxed (logically named) params, for eval_shape and init.
+
+  With LoRA (`cfg` given, train.lora_rank > 0) the params are the adapters alone (A random,
+  B zero); the base the model also creates is dropped (XLA removes its initialisation)."""
+  with lora.adapters_active(cfg) if cfg is not None else contextlib.nullcontext():
+    params = model.init(rng, *init_inputs)["params"]
+  if cfg is not None and lora.enabled(cfg):
+    params = lora.split(params)[1]
   return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params),
           "skipped": jnp.zeros((), jnp.int32)}
 
@@ -159,7 +175,7 @@ def setup(cfg, workdir, log=print):
   tx, schedule = optim.build_optimizer(cfg)
   example = task.train_batch(0)
   init_inputs = [jnp.asarray(x[:1]) for x in task.init_inputs(example)]
-  init_fn = functools.partial(init_state, model, tx, init_inputs)
+  init_fn = functools.partial(init_state, model, tx, init_inputs, **({"cfg": cfg} if lora.enabled(cfg) else {}))
   rng = jax.random.PRNGKey(cfg.train.seed)
   abstract = jax.eval_shape(init_fn, rng)
   state_sharding = sharding.logical_sharding(abstract, mesh)
@@ -240,6 +256,8 @@ def _train_and_evaluate(cfg, workdir, log, lease):
   is_main = jax.process_index() == 0
   if not is_main:
     log = lambda *args, **kwargs: None  # One process speaks for the job.
+  if lora.enabled(cfg):
+    lora.target_paths(cfg)  # train.lora_targets matching no kernel: one line, before any work
   if cfg.train.init_from and is_main:
     copy_init_tokenizer(cfg, workdir, log)  # before setup, which loads (or would train) the tokenizer
   mesh, task, model, tx, schedule, init_fn, rng, abstract, state_sharding = setup(cfg, workdir, log)
@@ -255,25 +273,37 @@ def _train_and_evaluate(cfg, workdir, log, lease):
       raise UserError(f"tokenizer {task.tokenizer_path} is not the one checkpoint step {meta.get('step')} was "
                       "trained with (its hash differs): restore the original tokenizer or use a new --workdir")
     log(f"resumed from {ckpt.directory}/{ckpt.latest_step()} (step {int(state['step'])})")
-  elif cfg.train.init_from:  # fine-tuning: its own checkpoints (above) win once it has saved one
+  elif cfg.train.init_from and not lora.enabled(cfg):  # fine-tuning: its own checkpoints (above) win once saved
     state = init_from_checkpoint(cfg, tx, abstract_unboxed, state_sharding, task.tokenizer_path, log)
-  else:
+  else:  # a new run, or new LoRA adapters (B = 0) on the base read below
     state = jax.jit(lambda r: nn.unbox(init_fn(r)), out_shardings=state_sharding)(rng)
+  base, base_sharding, extra, ckpt_meta = None, None, (), {}
+  if lora.enabled(cfg):  # the frozen base: read from train.init_from (at the step the adapters were trained on)
+    base, base_sharding, ckpt_meta = load_lora_base(cfg, mesh, task.tokenizer_path,
+                                                    resumed[1].get("lora_base_step") if resumed else None, log)
+    extra = (base,)
   if is_main:  # only now: a command that fails above leaves the workdir as it was
     with open(os.path.join(workdir, "config.json.tmp"), "w") as f:
       f.write(config_lib.to_json(cfg))
     os.replace(os.path.join(workdir, "config.json.tmp"), os.path.join(workdir, "config.json"))
   n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
   log(f"model: {cfg.model.arch}, {n_params:,} parameters; mesh {dict(mesh.shape)}")
+  if base is not None:
+    log(f"LoRA: {n_params:,} adapter parameters (rank {cfg.train.lora_rank}, alpha {cfg.train.lora_alpha:g}) on "
+        f"{len(lora.target_paths(cfg))} kernels of a frozen base of {lora.count(base):,} from {cfg.train.init_from}")
 
-  train_step = _under_mesh(mesh, jax.jit(make_train_step(model, task, cfg, tx, schedule),
-                                         in_shardings=(state_sharding, batch_sharding),
+  step_in = (state_sharding, batch_sharding) + ((base_sharding,) if base is not None else ())
+  train_step = _under_mesh(mesh, jax.jit(make_train_step(model, task, cfg, tx, schedule), in_shardings=step_in,
                                          out_shardings=(state_sharding, None), donate_argnums=0))
   multi_step = _under_mesh(mesh, jax.jit(make_multi_step(make_train_step(model, task, cfg, tx, schedule)),
-                                         in_shardings=(state_sharding, batch_sharding),
-                                         out_shardings=(state_sharding, None), donate_argnums=0))
-  eval_step = _under_mesh(mesh, jax.jit(make_eval_step(model, task),
-                                        in_shardings=(state_sharding["params"], batch_sharding)))
+                                         in_shardings=step_in, out_shardings=(state_sharding, None),
+                                         donate_argnums=0))
+  eval_jit = _under_mesh(mesh, jax.jit(make_eval_step(model, task, cfg),
+                                       in_shardings=(state_sharding["params"],) + step_in[1:]))
+  eval_step = lambda params, batch: eval_jit(params, batch, *extra)
+  # Decoding (samples, BLEU) reads plain params: a LoRA run's merged W + (alpha / r) A B.
+  full_params = ((lambda p: p) if base is None else
+                 _under_mesh(mesh, jax.jit(functools.partial(lora.merge, cfg=cfg), out_shardings=base_sharding)))
   writer = metrics_lib.MetricWriter(workdir, cfg.train.num_steps, enabled=is_main)
   dev_batches = task.eval_batches("dev", cfg.train.eval_batches) if _has_dev(task) else []
   dev_batches = [sharding.global_batch(b, batch_sharding) for b in dev_batches]
@@ -294,9 +324,9 @@ def _train_and_evaluate(cfg, workdir, log, lease):
       flops_since += sum(_train_flops(cfg, b) for b in batches) if peak else 0.0
       batches = [sharding.global_batch(b, batch_sharding) for b in batches]
       if len(batches) > 1:
-        state, metrics = multi_step(state, tuple(batches))
+        state, metrics = multi_step(state, tuple(batches), *extra)
       else:
-        state, metrics = train_step(state, batches[0])
+        state, metrics = train_step(state, batches[0], *extra)
       step += len(batches)
       steps_since += len(batches)
       pending.append(metrics)
@@ -334,17 +364,17 @@ def _train_and_evaluate(cfg, workdir, log, lease):
         if task.name == "translation" and cfg.train.eval_bleu_sentences:
           sources, refs = task.splits["dev"]
           n = cfg.train.eval_bleu_sentences
-          hyps = evaluate_lib.translate(model, state["params"], task.tokenizer, sources[:n], beam_size=1,
+          hyps = evaluate_lib.translate(model, full_params(*extra, state["params"]), task.tokenizer, sources[:n], beam_size=1,
                                         batch_size=cfg.decode.batch_size, suppress_pad=cfg.decode.suppress_pad)
           val["val_bleu"] = bleu.sacrebleu_scores(hyps, refs[:n])["bleu"]
         writer.write(step, val)
         log(f"step {step} | " + " | ".join(f"{k} {v:.4f}" for k, v in val.items() if k != "val_tokens"))
         if task.name == "lm" and cfg.train.sample_every_eval:
-          log("sample: " + repr(sample_text(model, state["params"], task.tokenizer, cfg, step)))
+          log("sample: " + repr(sample_text(model, full_params(*extra, state["params"]), task.tokenizer, cfg, step)))
         result.update(val)
       if step % cfg.train.checkpoint_every == 0 or last or stop.signal:
         ckpt.save(step, state, {"step": step, "config": cfg.name, "tokenizer": task.tokenizer_path,
-                                "tokenizer_sha256": tokenizer_hash})
+                                "tokenizer_sha256": tokenizer_hash, **ckpt_meta})
       if stop.signal:
         ckpt.wait()
         log(f"{stop.signal} received: saved a checkpoint at step {step} in {ckpt.directory}. "
@@ -359,7 +389,7 @@ def _train_and_evaluate(cfg, workdir, log, lease):
     if task.name == "translation" and cfg.train.final_eval_split and "interrupted" not in result:
       split = cfg.train.final_eval_split
       scores, hyps, sources, refs = evaluate_lib.evaluate_translation(
-          cfg, model, state["params"], task.tokenizer, split, os.path.join(workdir, f"{split}.hyp.txt"),
+          cfg, model, full_params(*extra, state["params"]), task.tokenizer, split, os.path.join(workdir, f"{split}.hyp.txt"),
           log=lambda *_: None)
       for src, hyp, ref in list(zip(sources, hyps, refs))[:5]:
         log(f"  src: {src}\n  hyp: {hyp}\n  ref: {ref}")
@@ -386,6 +416,7 @@ def _train_and_evaluate(cfg, workdir, log, lease):
     metrics_lib.plot_metrics(os.path.join(workdir, "metrics.jsonl"), os.path.join(workdir, "metrics.png"))
   result["step"] = step
   result["state"] = state
+  result["lora_base"] = base
   result["task"] = task
   result["model"] = model
   return result
@@ -426,27 +457,46 @@ def init_from_checkpoint(cfg, tx, abstract, state_sharding, tokenizer_path, log=
 
   `abstract` is the train state's ShapeDtypeStructs with shardings: params restore straight onto the mesh.
   """
+  params, where, _ = _restore_init_params(cfg, abstract["params"], tokenizer_path, log)
+  zero = jnp.zeros((), jnp.int32)
+  state = jax.jit(lambda p: {"step": zero, "params": p, "opt_state": tx.init(p), "skipped": zero},
+                  out_shardings=state_sharding)(params)
+  log(f"initialised from {where}: its params, a fresh optimizer, step 0")
+  return state
+
+
+def _restore_init_params(cfg, abstract_params, tokenizer_path, log, step=None):
+  """(params, "dir/step", step) of train.init_from's checkpoint `step` (default: latest), laid out as
+  `abstract_params` (ShapeDtypeStructs with shardings) whichever layout it was stored in."""
   source = cfg.train.init_from
   if not os.path.isdir(os.path.join(source, "checkpoints")):
     raise UserError(f"train.init_from={source} has no checkpoints/: give a training workdir or one written by "
                     "python -m jaxformer.convert")
   with checkpoint_lib.Checkpointer(source, max_to_keep=None, async_save=False) as src:
-    if evaluate_lib.stored_scan_layers(src) == cfg.model.scan_layers:
-      params, meta = src.restore_params(abstract["params"])
+    if evaluate_lib.stored_scan_layers(src, step) == cfg.model.scan_layers:
+      params, meta = src.restore_params(abstract_params, step=step)
     else:  # e.g. a converted Hugging Face model (unrolled) fine-tuned with model.scan_layers=true
       layout = config_lib.replace(cfg, **{"model.scan_layers": not cfg.model.scan_layers})
-      params, meta = src.restore_params(evaluate_lib.abstract_params(layout)[1])
+      params, meta = src.restore_params(evaluate_lib.abstract_params(layout)[1], step=step)
       params = model_lib.convert_layers(params, cfg.model.scan_layers)
       log(f"converted {source}'s layers to the {'scanned' if cfg.model.scan_layers else 'unrolled'} layout")
     where = f"{src.directory}/{meta.get('step')}"
   if meta.get("tokenizer_sha256") not in (None, evaluate_lib.file_sha256(tokenizer_path)):
     raise UserError(f"tokenizer {tokenizer_path} is not the one {where} was trained with (its hash differs): "
                     "fine-tune with the tokenizer of train.init_from")
-  zero = jnp.zeros((), jnp.int32)
-  state = jax.jit(lambda p: {"step": zero, "params": p, "opt_state": tx.init(p), "skipped": zero},
-                  out_shardings=state_sharding)(params)
-  log(f"initialised from {where}: its params, a fresh optimizer, step 0")
-  return state
+  return params, where, meta.get("step")
+
+
+def load_lora_base(cfg, mesh, tokenizer_path, step=None, log=print):
+  """(base params on the mesh, their shardings, checkpoint meta) for a LoRA run: train.init_from's
+  params at `step` (default: its latest), frozen; the meta records where they came from."""
+  boxed, _ = lora.abstract(cfg)
+  base_sharding = sharding.logical_sharding(boxed, mesh)
+  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.unbox(boxed),
+                          base_sharding)
+  base, where, base_step = _restore_init_params(cfg, abstract, tokenizer_path, log, step)
+  log(f"LoRA base: {where}, frozen (not written to this run's checkpoints)")
+  return base, base_sharding, {"lora_base": os.path.abspath(cfg.train.init_from), "lora_base_step": base_step}
 
 
 def _under_mesh(mesh, jitted):
