@@ -351,9 +351,7 @@ def _validate(cfg):
     raise UserError(f"train.max_skipped_steps={cfg.train.max_skipped_steps} must be 0 (never stop) or more")
   if cfg.train.lora_rank < 0:
     raise UserError(f"train.lora_rank={cfg.train.lora_rank} must be 0 (off) or a positive rank")
-  if cfg.train.lora_rank:
-    if not cfg.train.init_from:
-      raise UserError("train.lora_rank needs train.init_from=WORKDIR: the frozen model the adapters are trained on")
+  if cfg.train.lora_rank:  # (train.init_from, the frozen base, is checked when training starts: inspect needs none)
     try:
       re.compile(cfg.train.lora_targets)
     except re.error as e:

@@ -17,6 +17,7 @@ checkpoints); the base is read from `train.init_from` and passed to the step bes
 """
 
 import contextlib
+import functools
 import math
 import re
 
@@ -101,6 +102,7 @@ def _dummy_inputs(m):
   return (dummy, dummy) if m.arch == "encoder_decoder" else (dummy,)
 
 
+@functools.lru_cache(maxsize=16)
 def dense_kernel_paths(model_cfg):
   """Every dense projection's kernel path in the model (what train.lora_targets can match), in call order."""
   model = model_lib.build_model(model_cfg)
@@ -113,7 +115,7 @@ def dense_kernel_paths(model_cfg):
 
   with nn.intercept_methods(record):
     jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), *_dummy_inputs(model_cfg)))
-  return list(dict.fromkeys(seen))
+  return tuple(dict.fromkeys(seen))
 
 
 def target_paths(cfg):
@@ -181,12 +183,20 @@ def merge(base, adapters, cfg):
   return walk(base, adapters)
 
 
+@functools.lru_cache(maxsize=16)  # inspect's batch search asks for it many times
 def abstract(cfg):
   """(base, adapters) boxed ShapeDtypeStruct trees (logical names kept) of the LoRA model; nothing allocated."""
   model = model_lib.build_model(cfg.model)
   with adapters_active(cfg):
     params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), *_dummy_inputs(cfg.model)))["params"]
   return split(params)
+
+
+def num_adapted(cfg):
+  """How many kernels carry adapters, counting each layer of a model.scan_layers stack."""
+  _, adapters = abstract(cfg)
+  return sum(a.shape[0] if any(getattr(k, "key", None) == "layers" for k in path) else 1
+             for path, a in jax.tree_util.tree_leaves_with_path(nn.unbox(adapters)) if path[-1].key == A)
 
 
 def count(tree):

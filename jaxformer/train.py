@@ -188,6 +188,10 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
   Holds the workdir's lease (`jaxformer.lease`) while it runs: a second run on the same
   workdir stops at once with one line naming this one.
   """
+  if lora.enabled(cfg):
+    if not cfg.train.init_from:
+      raise UserError("train.lora_rank needs train.init_from=WORKDIR: the frozen model the adapters are trained on")
+    lora.target_paths(cfg)  # train.lora_targets matching no kernel: one line, before any work
   try:
     os.makedirs(workdir, exist_ok=True)
     probe = os.path.join(workdir, f".write-test-{jax.process_index()}")
@@ -256,8 +260,6 @@ def _train_and_evaluate(cfg, workdir, log, lease):
   is_main = jax.process_index() == 0
   if not is_main:
     log = lambda *args, **kwargs: None  # One process speaks for the job.
-  if lora.enabled(cfg):
-    lora.target_paths(cfg)  # train.lora_targets matching no kernel: one line, before any work
   if cfg.train.init_from and is_main:
     copy_init_tokenizer(cfg, workdir, log)  # before setup, which loads (or would train) the tokenizer
   mesh, task, model, tx, schedule, init_fn, rng, abstract, state_sharding = setup(cfg, workdir, log)
@@ -290,7 +292,7 @@ def _train_and_evaluate(cfg, workdir, log, lease):
   log(f"model: {cfg.model.arch}, {n_params:,} parameters; mesh {dict(mesh.shape)}")
   if base is not None:
     log(f"LoRA: {n_params:,} adapter parameters (rank {cfg.train.lora_rank}, alpha {cfg.train.lora_alpha:g}) on "
-        f"{len(lora.target_paths(cfg))} kernels of a frozen base of {lora.count(base):,} from {cfg.train.init_from}")
+        f"{lora.num_adapted(cfg)} kernels of a frozen base of {lora.count(base):,} from {cfg.train.init_from}")
 
   step_in = (state_sharding, batch_sharding) + ((base_sharding,) if base is not None else ())
   train_step = _under_mesh(mesh, jax.jit(make_train_step(model, task, cfg, tx, schedule), in_shardings=step_in,
