@@ -15,6 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxformer import lora
 from jaxformer import model as model_lib
 from jaxformer import optim
 from jaxformer import sharding
@@ -35,25 +36,34 @@ def abstract_batch(cfg, rows, lengths, batch_sharding=None):
           for k in TRANSLATION_KEYS}
 
 
-def compile_train_step(cfg, devices, rows, lengths):
+def compile_train_step(cfg, devices, rows, lengths, task=None):
   """(compiled train step, seconds to lower, seconds to compile) for `rows` x `lengths` batches
-  on a mesh of `devices` shaped by cfg.mesh."""
+  on a mesh of `devices` shaped by cfg.mesh. A LoRA config (train.lora_rank) compiles the LoRA
+  step: the adapters' state, donated, and the frozen base as a third argument."""
   mesh = sharding.make_mesh(cfg.mesh, list(devices))
   model = model_lib.build_model(cfg.model)
   tx, schedule = optim.build_optimizer(cfg)
-  task = tasks.LMTask if cfg.data.task == "lm" else tasks.TranslationTask
+  task = task or (tasks.LMTask if cfg.data.task == "lm" else tasks.TranslationTask)
   ids = jnp.ones((1, 4), jnp.int32)
-  init = functools.partial(train.init_state, model, tx, (ids,) if cfg.data.task == "lm" else (ids, ids))
+  init = functools.partial(train.init_state, model, tx, (ids,) if cfg.data.task == "lm" else (ids, ids),
+                           **({"cfg": cfg} if lora.enabled(cfg) else {}))
   abstract = jax.eval_shape(init, jax.random.key(0))
   state_sharding = sharding.logical_sharding(abstract, mesh)
   state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.unbox(abstract),
                        state_sharding)
   batch_sharding = sharding.batch_sharding(mesh)
-  step = jax.jit(train.make_train_step(model, task, cfg, tx, schedule), in_shardings=(state_sharding, batch_sharding),
+  shardings, extra = (state_sharding, batch_sharding), ()
+  if lora.enabled(cfg):
+    boxed_base, _ = lora.abstract(cfg)
+    base_sharding = sharding.logical_sharding(boxed_base, mesh)
+    shardings += (base_sharding,)
+    extra = (jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.unbox(boxed_base),
+                          base_sharding),)
+  step = jax.jit(train.make_train_step(model, task, cfg, tx, schedule), in_shardings=shardings,
                  out_shardings=(state_sharding, None), donate_argnums=0)
   t = time.perf_counter()
   with sharding.use_mesh(mesh):
-    lowered = step.lower(state, abstract_batch(cfg, rows, lengths, batch_sharding))
+    lowered = step.lower(state, abstract_batch(cfg, rows, lengths, batch_sharding), *extra)
   lower_s = time.perf_counter() - t
   t = time.perf_counter()
   compiled = lowered.compile()

@@ -10,6 +10,7 @@ import dataclasses
 import importlib.util
 import json
 import pathlib
+import re
 import types
 import typing
 
@@ -176,6 +177,9 @@ class TrainConfig:
   objective: str = "lm"             # lm (next-token loss, masked for SFT) | dpo (data.chat_path of preference pairs)
   dpo_beta: float = 0.1             # DPO's beta (Rafailov et al. 2023), applied once to the log-ratio margin
   dpo_reference: str = ""           # DPO's frozen reference: a workdir's latest params; "" -> the initial params
+  lora_rank: int = 0                # > 0: train LoRA adapters of this rank on a frozen train.init_from (jaxformer.lora)
+  lora_alpha: float = 16.0          # the adapters' product is scaled by lora_alpha / lora_rank
+  lora_targets: str = r"(query|key|value|out|wi|wi_gate|wi_up|wo)/kernel$"  # re.search over kernel paths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,6 +386,14 @@ def _validate(cfg):
     raise UserError(f"train.nan_policy={cfg.train.nan_policy!r}: choose skip or stop")
   if cfg.train.max_skipped_steps < 0:
     raise UserError(f"train.max_skipped_steps={cfg.train.max_skipped_steps} must be 0 (never stop) or more")
+  if cfg.train.lora_rank and cfg.train.objective == "dpo":
+    raise UserError("train.objective=dpo with train.lora_rank is not supported yet (the preference loss reads "
+                    "the full params): set train.lora_rank=0 for DPO")
+  if cfg.train.lora_rank:  # (train.init_from, the frozen base, is checked when training starts: inspect needs none)
+    try:
+      re.compile(cfg.train.lora_targets)
+    except re.error as e:
+      raise UserError(f"train.lora_targets={cfg.train.lora_targets!r} is not a regular expression ({e})") from e
   if cfg.train.lease_timeout_s <= 0:
     raise UserError(f"train.lease_timeout_s={cfg.train.lease_timeout_s:g} must be positive (seconds)")
   if m.position == "learned":  # jnp.take past the table is NaN: every step would be non-finite
@@ -476,7 +488,9 @@ _RANGES = {
               ("seed", 0, None, _COUNT), ("steps_per_call", 1, None, _POSITIVE),
               ("max_minutes", 0.0, None, "must be 0 (no limit) or more"), ("eval_bleu_sentences", 0, None, _COUNT),
               ("host_timeout_s", 2, None, "must be at least 2 (seconds: the peer watch beats once a second)"),
-              ("dpo_beta", _TINY, None, "must be positive (DPO's beta scales the log-ratio margin)")],
+              ("dpo_beta", _TINY, None, "must be positive (DPO's beta scales the log-ratio margin)"),
+              ("lora_rank", 0, None, "must be 0 (off) or a positive rank"),
+              ("lora_alpha", _TINY, None, "must be positive (the adapters are scaled by lora_alpha / lora_rank)")],
     "decode": [("beam_size", 1, None, _POSITIVE), ("alpha", 0.0, None, _COUNT), ("max_extra_len", 0, None, _COUNT),
                ("batch_size", 1, None, _POSITIVE), ("temperature", 0.0, None, "must be 0 (greedy) or more"),
                ("top_k", 0, None, "must be 0 (off) or more"), ("top_p", _TINY, 1.0, "must be in (0, 1]"),

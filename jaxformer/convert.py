@@ -2,6 +2,7 @@
 
     python -m jaxformer.convert --from-hf HF_DIR --workdir W        # config.json + Orbax checkpoint + tokenizer
     python -m jaxformer.convert --to-hf W --out HF_DIR [--step N] [--dtype bfloat16]
+    python -m jaxformer.convert --to-hf LORA_W --out DIR --peft    # a LoRA run's adapters, as PEFT writes them
 
 Import reads `config.json` (and `generation_config.json`), the `*.safetensors` weights (one
 file or a sharded index) one tensor at a time, maps each onto jaxformer's parameter tree
@@ -10,7 +11,11 @@ shape against the model the config builds, and writes a params-only checkpoint a
 (`checkpoint.save_params`) with the tokenizer: W then works with eval.py,
 `python -m jaxformer.generate` and `train.py --config W/config.json train.init_from=W`.
 Export writes `config.json`, `model.safetensors` (the same tensor names HF saves) and the
-tokenizer files, which transformers' `from_pretrained` loads.
+tokenizer files, which transformers' `from_pretrained` loads. A LoRA run (train.lora_rank) exports
+as the merged model W + (alpha / r) A B, or with `--peft` as its adapters alone:
+`adapter_config.json` + `adapter_model.safetensors` with PEFT's names, for `PeftModel.from_pretrained`
+on the base exported from train.init_from (GPT-2's fused c_attn gets one adapter of rank 3r whose B is
+block-diagonal, with `rank_pattern`/`alpha_pattern` keeping the scale alpha / r: the same function).
 
 Memory: tensors are read one at a time (safetensors maps the files; only the tensor being
 converted is copied) and keep their dtype (bf16 for Llama: restoring widens them to float32
@@ -34,6 +39,7 @@ import numpy as np
 from jaxformer import checkpoint as checkpoint_lib
 from jaxformer import config as config_lib
 from jaxformer import evaluate
+from jaxformer import lora
 from jaxformer import tokenizer as tokenizer_lib
 from jaxformer.errors import UserError, cli
 
@@ -733,6 +739,7 @@ def to_hf(workdir, out, step=None, dtype="float32", max_shard_mb=2048, log=print
   """
   # HF's layout is per layer: a model.scan_layers checkpoint is unstacked on the way in.
   cfg, _, params, _, meta = evaluate.load_run(workdir, step=step, log=lambda *_: None, scan_layers=False)
+  workdir = meta.get("lora_base") or workdir  # a LoRA run (merged above): the rest is its base's
   base_path = os.path.join(workdir, "hf_config.json")
   base = _read_json(base_path, "") if os.path.isfile(base_path) else None
   kind = infer_model_type(cfg, meta.get("hf_model_type") or (base or {}).get("model_type"))
@@ -764,6 +771,83 @@ def to_hf(workdir, out, step=None, dtype="float32", max_shard_mb=2048, log=print
     json.dump(generation_config(cfg, kind, workdir), f, indent=2)
   export_tokenizer(cfg, kind, workdir, out)
   log(f"wrote {kind} ({count[0]:,} parameters, {dtype}) to {out}")
+  return out
+
+
+def to_peft(workdir, out, step=None, dtype="float32", log=print):
+  """Writes a LoRA run's adapters as a PEFT adapter: `out/adapter_config.json` + `adapter_model.safetensors`.
+
+  Keys `base_model.model.<HF module>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r], as
+  peft's `save_pretrained` writes them, on the base that `--to-hf` of train.init_from writes.
+  """
+  path = os.path.join(workdir, "config.json")
+  if not os.path.isfile(path):
+    raise UserError(f"{workdir} has no config.json: is it a training workdir (train.py --workdir)?")
+  cfg = config_lib.load_config(path)
+  if not lora.enabled(cfg):
+    raise UserError(f"--peft: {workdir} is not a LoRA run (train.lora_rank=0); export it without --peft")
+  cfg = config_lib.replace(cfg, **{"model.scan_layers": False})  # HF's layout is per layer
+  adapters, meta = evaluate.load_lora_adapters(cfg, workdir, step, log=lambda *_: None)
+  base_dir = meta.get("lora_base") or cfg.train.init_from
+  hf_path = os.path.join(base_dir, "hf_config.json")
+  recorded = (_read_json(hf_path, "") if os.path.isfile(hf_path) else {}).get("model_type")
+  kind = infer_model_type(cfg, recorded)
+  if kind == "marian":
+    raise UserError("--peft exports decoder-only models (GPT-2, Llama); export a Marian LoRA run merged")
+  if os.path.exists(os.path.join(out, "adapter_config.json")):
+    raise UserError(f"--out {out} already holds an adapter: choose a new directory")
+  _, shapes = evaluate.abstract_params(cfg)
+  r, alpha = cfg.train.lora_rank, cfg.train.lora_alpha
+  tensors, targets, rank_pattern, alpha_pattern, exported = {}, [], {}, {}, set()
+  for t in TENSORS[kind](cfg.model):
+    modules = [p[:-1] for p in t.ours if p[-1] == "kernel"]
+    if not t.hf.endswith(".weight") or len(modules) != len(t.ours):
+      continue
+    found = [_get(adapters, m) if _has(adapters, m + (lora.A,)) else None for m in modules]
+    if not any(f is not None for f in found):
+      continue
+    # One adapter for the HF module: the A of each of our kernels side by side [in, n r], B block-diagonal
+    # [n r, sum of outs] (zero blocks where a fused part has no adapter): x A B = the sum of the parts.
+    outs = [math.prod(_get(shapes, m + ("kernel",)).shape[1 if m[-1] != "out" else 2:]) for m in modules]
+    n = sum(f is not None for f in found)
+    a_hf = np.zeros((n * r, math.prod(_get(shapes, modules[0] + ("kernel",)).shape) // outs[0]), np.float32)
+    b_hf = np.zeros((sum(outs), n * r), np.float32)
+    j, col = 0, 0
+    for f, size in zip(found, outs):
+      if f is not None:
+        a_hf[j * r:(j + 1) * r] = np.asarray(f[lora.A]).reshape(-1, r).T
+        b_hf[col:col + size, j * r:(j + 1) * r] = np.asarray(f[lora.B]).reshape(r, -1).T
+        j += 1
+      col += size
+    module = t.hf[:-len(".weight")]
+    tensors[f"base_model.model.{module}.lora_A.weight"] = a_hf
+    tensors[f"base_model.model.{module}.lora_B.weight"] = b_hf
+    targets.append(module)
+    if n != 1:
+      rank_pattern[re.escape(module)], alpha_pattern[re.escape(module)] = n * r, n * alpha
+    exported.update(m for m, f in zip(modules, found) if f is not None)
+  missing = [m for m in _leaf_paths(adapters) if m[:-1] not in exported]
+  if missing:
+    raise UserError(f"--peft: the adapter on {'/'.join(missing[0][:-1])} has no Hugging Face {kind} module to "
+                    "hold it: export this run merged (without --peft)")
+  os.makedirs(out, exist_ok=True)
+  if dtype == "bfloat16":
+    import ml_dtypes  # numpy's bfloat16 (a JAX dependency)
+    np_dtype = ml_dtypes.bfloat16
+  else:
+    np_dtype = np.dtype(dtype)
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  save_file({k: np.ascontiguousarray(v.astype(np_dtype)) for k, v in tensors.items()},
+            os.path.join(out, "adapter_model.safetensors"), metadata={"format": "pt"})
+  config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha,
+            "target_modules": targets, "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
+            "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": kind == "gpt2",  # GPT-2's Conv1D [in, out]
+            "use_rslora": False, "use_dora": False, "init_lora_weights": True, "modules_to_save": None,
+            "base_model_name_or_path": None, "inference_mode": True}
+  with open(os.path.join(out, "adapter_config.json"), "w") as f:
+    json.dump(config, f, indent=2)
+  log(f"wrote a PEFT LoRA adapter for {kind} ({sum(v.size for v in tensors.values()):,} parameters, rank {r}, "
+      f"{len(targets)} modules) to {out}; its base: python -m jaxformer.convert --to-hf {base_dir} --out BASE")
   return out
 
 
@@ -805,6 +889,8 @@ def parse_args(argv):
   for _, key, flag in _IDS:
     parser.add_argument(flag, type=int, default=None, metavar="N",
                         help=f"with --from-hf: the id when config.json's {key} is null (overrides it)")
+  parser.add_argument("--peft", action="store_true",
+                      help="with --to-hf of a LoRA run: write its adapters as a PEFT adapter (not the merged model)")
   return parser.parse_intermixed_args(argv)
 
 
@@ -819,6 +905,8 @@ def main(argv):
     return from_hf(args.from_hf, args.workdir, ids=ids, tokenizer=args.tokenizer)
   if not args.out:
     raise UserError("--to-hf needs --out DIR (the Hugging Face folder to write)")
+  if args.peft:
+    return to_peft(args.to_hf, args.out, args.step, args.dtype)
   return to_hf(args.to_hf, args.out, args.step, args.dtype, args.max_shard_mb)
 
 

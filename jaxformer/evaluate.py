@@ -21,6 +21,7 @@ from jaxformer import bleu
 from jaxformer import checkpoint as checkpoint_lib
 from jaxformer import config as config_lib
 from jaxformer import decode
+from jaxformer import lora
 from jaxformer import losses
 from jaxformer import model as model_lib
 from jaxformer import runtime
@@ -126,6 +127,8 @@ def load_run(workdir, average_last=0, step=None, log=print, overrides=(), scan_l
       raise
   if scan_layers is not None:
     cfg = config_lib.replace(cfg, **{"model.scan_layers": bool(scan_layers)})
+  if lora.enabled(cfg):
+    return _load_lora_run(cfg, workdir, average_last, step, log)
   # Read-only (no lease, no cleanup): works while training writes the workdir. Every checkpoint
   # read is verified against its checksums; a damaged one is a one-line error.
   ckpt = checkpoint_lib.Checkpointer(workdir, max_to_keep=None, async_save=False, log=log)
@@ -161,6 +164,44 @@ def load_run(workdir, average_last=0, step=None, log=print, overrides=(), scan_l
     raise UserError(f"tokenizer {tok_path} has {tokenizer.vocab_size} ids but the model has "
                     f"{cfg.model.vocab_size}: wrong tokenizer for this checkpoint")
   return cfg, model, params, tokenizer, meta
+
+
+def load_lora_adapters(cfg, workdir, step=None, log=print):
+  """(adapters, meta) of a LoRA run's checkpoint `step` (its params are the adapters alone), in cfg's layout."""
+  ckpt = checkpoint_lib.Checkpointer(workdir, max_to_keep=None, async_save=False, log=log)
+  try:
+    stored_scan = stored_scan_layers(ckpt, step)
+    _, shapes = lora.abstract(config_lib.replace(cfg, **{"model.scan_layers": stored_scan}))
+    adapters, meta = ckpt.restore_params(nn.unbox(shapes), step=step)
+  finally:
+    ckpt.close()
+  if stored_scan != cfg.model.scan_layers:
+    adapters = model_lib.convert_layers(adapters, cfg.model.scan_layers)
+  return adapters, meta
+
+
+def _load_lora_run(cfg, workdir, average_last, step, log):
+  """load_run for a LoRA workdir: the base of train.init_from (at the step the adapters were trained on)
+  with the adapters merged in, W + (alpha / r) A B: a plain model."""
+  if average_last > 1:
+    raise UserError("--average-last with a LoRA run: averaging A and B is not averaging the merged weights; "
+                    "evaluate one checkpoint (--step)")
+  adapters, meta = load_lora_adapters(cfg, workdir, step, log)
+  base_dir = meta.get("lora_base") or cfg.train.init_from
+  _, _, base, _, base_meta = load_run(base_dir, step=meta.get("lora_base_step"), log=lambda *_: None,
+                                      scan_layers=cfg.model.scan_layers)
+  meta = {**base_meta, **meta}  # e.g. the base's hf_model_type (jaxformer.convert)
+  log(f"restored LoRA adapters of step {meta.get('step')} from {workdir}, merged into {base_dir} step "
+      f"{meta.get('lora_base_step')}")
+  params = jax.jit(lambda b, a: lora.merge(b, a, cfg))(base, adapters)
+  plain = config_lib.replace(cfg, **{"train.lora_rank": 0, "train.init_from": ""})
+  model = model_lib.build_model(cfg.model)
+  tok_path = tasks.tokenizer_path(cfg, workdir)
+  if tok_path != "byte" and not os.path.exists(tok_path):
+    raise UserError(f"tokenizer {tok_path} is missing: eval needs the tokenizer the model was trained with")
+  tokenizer = tokenizer_lib.load_tokenizer(tok_path)
+  tokenizer.use_model_ids(cfg.model.pad_id, cfg.model.bos_id, cfg.model.eos_id, os.path.join(workdir, "config.json"))
+  return plain, model, params, tokenizer, meta
 
 
 def evaluate_translation(cfg, model, params, tokenizer, split, out_path=None, beam_size=None, alpha=None,

@@ -3,6 +3,7 @@
   python -m jaxformer.inspect --config llama3_8b [model.num_layers=2] [--dtype bfloat16]
       [--batch 1] [--context 4096,32768] [--seq-len 8192]
   python -m jaxformer.inspect --config llama3_8b --mesh fsdp=64 [--batch 64] [model.remat=full ...]
+  python -m jaxformer.inspect --config llama3_8b train.lora_rank=16 --batch 1 --seq-len 2048 model.remat=full
 
 Shapes come from `jax.eval_shape(model.init)`: nothing is allocated, and the counts are
 the model's own rather than a formula that could drift from it. `DEVICES`, `peak_flops`
@@ -24,6 +25,7 @@ import numpy as np
 from flax import traverse_util
 
 from jaxformer import layers
+from jaxformer import lora
 from jaxformer import losses
 from jaxformer import moe
 from jaxformer import sharding
@@ -278,12 +280,14 @@ def _mesh_sizes(mesh):
   return sizes
 
 
-def parameter_bytes_per_device(cfg, mesh):
+def parameter_bytes_per_device(cfg, mesh, tree=None):
   """float32 parameter bytes one device holds under the sharding rules (a dimension that
-  its mesh axes do not divide is replicated, as `sharding.logical_sharding` does)."""
+  its mesh axes do not divide is replicated, as `sharding.logical_sharding` does); `tree`: other
+  boxed params (a LoRA run's adapters) instead of the model's."""
   m, sizes = _model_cfg(cfg), _mesh_sizes(mesh)
-  boxed = nn.unbox(_boxed_params(m)["params"])
-  specs = nn.get_partition_spec(_boxed_params(m)["params"])
+  tree = _boxed_params(m)["params"] if tree is None else tree
+  boxed = nn.unbox(tree)
+  specs = nn.get_partition_spec(tree)
   total = 0
   for spec, leaf in zip(jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)),
                         jax.tree.leaves(boxed)):
@@ -341,6 +345,11 @@ def memory_plan(cfg, mesh, rows, lengths):
   src, tgt = (lengths[0], lengths[-1])
   params = parameter_bytes_per_device(cfg, sizes)
   plan = {"params": params, "grads": params, "optimizer": 2 * params}
+  lora_tokens = 0  # LoRA: each adapted projection also keeps x A [tokens, r] for the backward pass
+  if cfg.train.lora_rank > 0:  # the frozen base (float32); gradients and Adam's moments of the adapters only
+    adapters = parameter_bytes_per_device(cfg, sizes, lora.abstract(cfg)[1])
+    plan = {"params": params, "adapters": adapters, "grads": adapters, "optimizer": 2 * adapters}
+    lora_tokens = lora.num_adapted(cfg) * cfg.train.lora_rank * jnp.dtype(m.dtype).itemsize
   if m.arch == "encoder_decoder":
     kinds = [(m.encoder_layers, dict(length=src, causal=False)),
              (m.num_layers, dict(length=tgt, cross=True, src_len=src))]
@@ -351,7 +360,7 @@ def memory_plan(cfg, mesh, rows, lengths):
     plain = dataclasses.replace(m, remat="none")
     activations += max(block_residual_bytes(plain, rows_dev, **kind) - block_residual_bytes(m, rows_dev, **kind)
                        for _, kind in kinds)
-  plan["activations"] = activations
+  plan["activations"] = activations + rows_dev * max(src, tgt) * lora_tokens
   chunk = losses.logits_chunk(m.logits_chunk, rows * tgt, m.vocab_size, shards)
   tokens = rows_dev * (max(1, min(chunk // rows, tgt)) if chunk else tgt)
   plan["logits"] = tokens * m.vocab_size * (8 + (2 if m.dtype == "bfloat16" else 0))
@@ -389,6 +398,11 @@ def memory_report(cfg, mesh, rows, lengths):
   notes = {"params": "float32, sharded by the rules", "grads": "float32, one per parameter",
            "optimizer": "Adam: 2 moments x params", "activations": "kept for the backward pass, all layers",
            "logits": "float32 logits + their gradient"}
+  if cfg.train.lora_rank > 0:
+    notes.update(params="the frozen base, float32, sharded by the rules",
+                 adapters=f"LoRA rank {cfg.train.lora_rank} on {lora.num_adapted(cfg)} kernels, float32",
+                 grads="float32, the adapters' only", optimizer="Adam: 2 moments x adapters",
+                 activations="kept for the backward pass, all layers, + x A per adapter")
   for key, n in plan.items():
     lines.append(f"  {key:<12}{n / 2**30:10.2f} GiB  {notes.get(key, '')}".rstrip())
   if m.remat != "none" and not m.scan_layers:
@@ -397,7 +411,10 @@ def memory_report(cfg, mesh, rows, lengths):
   if sizes["tensor"] > 1:
     lines.append("  (tensor > 1: activations counted as if not split over `tensor`: an upper bound)")
   lines.append(f"  {'device':<10}{'GB':>5}  fits  largest batch per device")
-  for name, gb in DEVICE_MEMORY_GB.items():
+  devices = dict(DEVICE_MEMORY_GB)
+  if cfg.train.lora_rank > 0:  # the single-GPU question LoRA is for
+    devices = {"24 GB GPU": 24, "80 GB GPU": 80, **devices}
+  for name, gb in devices.items():
     fits = "yes" if plan["total"] <= gb * 1e9 else "no"
     lines.append(f"  {name:<10}{gb:>5}  {fits:<4}  {largest_batch(cfg, sizes, lengths, gb * 1e9):,}")
   return "\n".join(lines)
@@ -490,6 +507,10 @@ def main(argv):
     recipe_rows = cfg.data.batch_size if cfg.data.task == "lm" else max(cfg.data.tokens_per_batch // seq_len, 1)
     rows = args.batch or recipe_rows
     print("\n" + memory_report(cfg, args.mesh, rows, lengths))
+  elif cfg.train.lora_rank > 0:  # a LoRA run is usually one device: its memory without --mesh
+    seq_len = args.seq_len or (cfg.data.block_size if cfg.data.task == "lm" else cfg.data.max_len)
+    lengths = (seq_len,) if cfg.data.task == "lm" else (seq_len, seq_len)
+    print("\n" + memory_report(cfg, "data=1", args.batch or cfg.data.batch_size, lengths))
 
 
 if __name__ == "__main__":

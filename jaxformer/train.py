@@ -8,6 +8,7 @@ run restarted from a checkpoint continues exactly as if it had never stopped.
 """
 
 import argparse
+import contextlib
 import functools
 import os
 import shlex
@@ -31,6 +32,7 @@ from jaxformer import evaluate as evaluate_lib
 from jaxformer import inspect as inspect_lib
 from jaxformer import layers
 from jaxformer import lease as lease_lib
+from jaxformer import lora
 from jaxformer import metrics as metrics_lib
 from jaxformer import model as model_lib
 from jaxformer import optim
@@ -46,6 +48,10 @@ def make_train_step(model, task, cfg, tx, schedule):
   summed gradients are divided by the total number of target tokens: the update is
   the same as for one big batch. A step whose loss or gradient is not finite leaves
   params and optimizer state untouched and is counted in `state["skipped"]`.
+
+  With LoRA (train.lora_rank > 0) `state["params"]` holds the adapters alone and the step takes
+  the frozen base params as a third argument, `train_step(state, batch, base)`: only the
+  adapters get gradients and optimizer updates (`jaxformer.lora`).
   """
   accum = cfg.optim.grad_accum_steps
   base_rng = jax.random.PRNGKey(cfg.train.seed)
@@ -53,32 +59,34 @@ def make_train_step(model, task, cfg, tx, schedule):
 
   moe = {"moe_coefs": (cfg.optim.moe_aux_loss, cfg.optim.moe_z_loss)} if cfg.model.moe_experts else {}
 
-  def grads_of(params, batch, rng, reference):
+  def grads_of(params, batch, rng, reference, base):
     def loss_fn(p):
       if dpo:  # the second objective: a preference loss against the frozen reference params
         return task.preference_loss(model, p, reference, batch, {"dropout": rng}, False, cfg.train.dpo_beta)
-      loss, nll, weight, *stats = task.loss(model, p, batch, {"dropout": rng}, False, cfg.optim.label_smoothing,
-                                            **moe)
+      with lora.adapters_active(cfg):  # LoRA: p are the adapters, on the frozen base
+        full = p if base is None else lora.combine(base, p)
+        loss, nll, weight, *stats = task.loss(model, full, batch, {"dropout": rng}, False,
+                                              cfg.optim.label_smoothing, **moe)
       # stats: [MoE router statistics: load_balancing, z_loss, expert_fraction] or []
       return loss, {"nll_sum": nll, "tokens": weight, **{f"moe_{k}": v for k, v in (stats[0] if stats else {}).items()}}
     (loss, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     return grads, loss, sums
 
-  def train_step(state, batch):
+  def train_step(state, batch, base=None):
     rng = jax.random.fold_in(base_rng, state["step"])
     reference = state.get("ref_params")
     if accum == 1:
-      grads, loss, sums = grads_of(state["params"], batch, rng, reference)
+      grads, loss, sums = grads_of(state["params"], batch, rng, reference, base)
     else:
       micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
 
       def body(carry, xs):
         i, mb = xs
-        out = grads_of(state["params"], mb, jax.random.fold_in(rng, i), reference)
+        out = grads_of(state["params"], mb, jax.random.fold_in(rng, i), reference, base)
         return jax.tree.map(jnp.add, carry, out), None
 
       zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(grads_of, state["params"], jax.tree.map(lambda x: x[0], micro),
-                                                          rng, reference))
+                                                          rng, reference, base))
       (grads, loss, sums), _ = jax.lax.scan(body, zeros, (jnp.arange(accum), micro))
       sums = {k: v / accum if k.startswith("moe_") else v for k, v in sums.items()}  # MoE: means over micro-batches
     weight = jnp.maximum(sums["tokens"], 1.0)
@@ -109,15 +117,18 @@ def make_multi_step(train_step):
   it saves is the per-call cost, large for small models on CPU: Python dispatch, and
   XLA's scratch buffer, freshly allocated (and page-faulted in) at every call.
   """
-  def multi_step(state, batches):
-    return jax.lax.scan(train_step, state, jax.tree.map(lambda *xs: jnp.stack(xs), *batches))
+  def multi_step(state, batches, *extra):  # extra: the frozen base params of a LoRA run
+    return jax.lax.scan(lambda s, b: train_step(s, b, *extra), state, jax.tree.map(lambda *xs: jnp.stack(xs), *batches))
   return multi_step
 
 
-def make_eval_step(model, task):
-  """Returns `eval_step(params, batch) -> (loss_sum, nll_sum, tokens)` (no dropout, no smoothing)."""
-  def eval_step(params, batch):
-    return task.loss(model, params, batch, {}, True, 0.0)[:3]  # (an MoE model's router statistics dropped)
+def make_eval_step(model, task, cfg=None):
+  """Returns `eval_step(params, batch[, base]) -> (loss_sum, nll_sum, tokens)` (no dropout, no smoothing);
+  a LoRA run's `params` are its adapters, on the frozen `base`."""
+  def eval_step(params, batch, base=None):
+    with lora.adapters_active(cfg) if cfg is not None else contextlib.nullcontext():
+      full = params if base is None else lora.combine(base, params)
+      return task.loss(model, full, batch, {}, True, 0.0)[:3]  # (an MoE model's router statistics dropped)
   return eval_step
 
 
@@ -130,12 +141,17 @@ def evaluate(eval_step, params, batches):
   return {"val_nll": nll, "val_ppl": float(np.exp(min(nll, 50.0))), "val_tokens": int(total[2])}
 
 
-def init_state(model, tx, init_inputs, rng, reference=False):
+def init_state(model, tx, init_inputs, rng, reference=False, cfg=None):
   """A fresh train state with boxed (logically named) params, for eval_shape and init.
 
   reference (train.objective=dpo): `ref_params`, DPO's frozen reference, starts as a copy of the params.
+  With LoRA (`cfg` given, train.lora_rank > 0) the params are the adapters alone (A random,
+  B zero); the base the model also creates is dropped (XLA removes its initialisation).
   """
-  params = model.init(rng, *init_inputs)["params"]
+  with lora.adapters_active(cfg) if cfg is not None else contextlib.nullcontext():
+    params = model.init(rng, *init_inputs)["params"]
+  if cfg is not None and lora.enabled(cfg):
+    params = lora.split(params)[1]
   state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params),
            "skipped": jnp.zeros((), jnp.int32)}
   if reference:
@@ -200,9 +216,8 @@ def setup(cfg, workdir, log=print):
   tx, schedule = optim.build_optimizer(cfg)
   example = task.train_batch(0)
   init_inputs = [jnp.asarray(x[:1]) for x in task.init_inputs(example)]
-  init_fn = functools.partial(init_state, model, tx, init_inputs)
-  if cfg.train.objective == "dpo":  # the state also holds DPO's frozen reference
-    init_fn = functools.partial(init_fn, reference=True)
+  init_fn = functools.partial(init_state, model, tx, init_inputs, reference=cfg.train.objective == "dpo",
+                              **({"cfg": cfg} if lora.enabled(cfg) else {}))  # DPO: the state holds its reference
   rng = jax.random.PRNGKey(cfg.train.seed)
   abstract = jax.eval_shape(init_fn, rng)
   state_sharding = sharding.logical_sharding(abstract, mesh)
@@ -249,6 +264,10 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
   workdir stops at once with one line naming this one.
   """
   _refuse_urls(cfg, workdir)
+  if lora.enabled(cfg):
+    if not cfg.train.init_from:
+      raise UserError("train.lora_rank needs train.init_from=WORKDIR: the frozen model the adapters are trained on")
+    lora.target_paths(cfg)  # train.lora_targets matching no kernel: one line, before any work
   error = None
   try:
     os.makedirs(workdir, exist_ok=True)
@@ -360,28 +379,40 @@ def _train_and_evaluate(cfg, workdir, log, lease, early_stop=None):
       raise UserError(f"tokenizer {task.tokenizer_path} is not the one checkpoint step {meta.get('step')} was "
                       "trained with (its hash differs): restore the original tokenizer or use a new --workdir")
     log(f"resumed from {ckpt.directory}/{ckpt.latest_step()} (step {int(state['step'])})")
-  elif cfg.train.init_from:  # fine-tuning: its own checkpoints (above) win once it has saved one
+  elif cfg.train.init_from and not lora.enabled(cfg):  # fine-tuning: its own checkpoints (above) win once saved
     state = init_from_checkpoint(cfg, tx, abstract_unboxed, state_sharding, task.tokenizer_path, log)
-  else:
+  else:  # a new run, or new LoRA adapters (B = 0) on the base read below
     state = jax.jit(lambda r: nn.unbox(init_fn(r)), out_shardings=state_sharding)(rng)
   if resumed is None and cfg.train.dpo_reference and cfg.train.objective == "dpo":
-    state["ref_params"], where = restore_params(cfg, cfg.train.dpo_reference, abstract_unboxed["ref_params"], log)
+    state["ref_params"], where, _ = restore_params(cfg, cfg.train.dpo_reference, abstract_unboxed["ref_params"], log)
     log(f"DPO reference: {where} (frozen)")
+  base, base_sharding, extra, ckpt_meta = None, None, (), {}
+  if lora.enabled(cfg):  # the frozen base: read from train.init_from (at the step the adapters were trained on)
+    base, base_sharding, ckpt_meta = load_lora_base(cfg, mesh, task.tokenizer_path,
+                                                    resumed[1].get("lora_base_step") if resumed else None, log)
+    extra = (base,)
   if is_main:  # only now: a command that fails above leaves the workdir as it was
     with open(os.path.join(workdir, "config.json.tmp"), "w") as f:
       f.write(config_lib.to_json(cfg))
     os.replace(os.path.join(workdir, "config.json.tmp"), os.path.join(workdir, "config.json"))
   n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
   log(f"model: {cfg.model.arch}, {n_params:,} parameters; mesh {dict(mesh.shape)}")
+  if base is not None:
+    log(f"LoRA: {n_params:,} adapter parameters (rank {cfg.train.lora_rank}, alpha {cfg.train.lora_alpha:g}) on "
+        f"{lora.num_adapted(cfg)} kernels of a frozen base of {lora.count(base):,} from {cfg.train.init_from}")
 
-  train_step = _under_mesh(mesh, jax.jit(make_train_step(model, task, cfg, tx, schedule),
-                                         in_shardings=(state_sharding, batch_sharding),
+  step_in = (state_sharding, batch_sharding) + ((base_sharding,) if base is not None else ())
+  train_step = _under_mesh(mesh, jax.jit(make_train_step(model, task, cfg, tx, schedule), in_shardings=step_in,
                                          out_shardings=(state_sharding, None), donate_argnums=0))
   multi_step = _under_mesh(mesh, jax.jit(make_multi_step(make_train_step(model, task, cfg, tx, schedule)),
-                                         in_shardings=(state_sharding, batch_sharding),
-                                         out_shardings=(state_sharding, None), donate_argnums=0))
-  eval_step = _under_mesh(mesh, jax.jit(make_eval_step(model, task),
-                                        in_shardings=(state_sharding["params"], batch_sharding)))
+                                         in_shardings=step_in, out_shardings=(state_sharding, None),
+                                         donate_argnums=0))
+  eval_jit = _under_mesh(mesh, jax.jit(make_eval_step(model, task, cfg),
+                                       in_shardings=(state_sharding["params"],) + step_in[1:]))
+  eval_step = lambda params, batch: eval_jit(params, batch, *extra)
+  # Decoding (samples, BLEU) reads plain params: a LoRA run's merged W + (alpha / r) A B.
+  full_params = ((lambda p: p) if base is None else
+                 _under_mesh(mesh, jax.jit(functools.partial(lora.merge, cfg=cfg), out_shardings=base_sharding)))
   writer = metrics_lib.MetricWriter(workdir, cfg.train.num_steps, enabled=is_main)
   dev_batches = task.eval_batches("dev", cfg.train.eval_batches) if _has_dev(task) else []
   dev_batches = [sharding.global_batch(b, batch_sharding) for b in dev_batches]
@@ -404,9 +435,9 @@ def _train_and_evaluate(cfg, workdir, log, lease, early_stop=None):
       flops_since += sum(_train_flops(cfg, b) for b in batches) if peak else 0.0
       batches = [sharding.global_batch(b, batch_sharding) for b in batches]
       if len(batches) > 1:
-        state, metrics = multi_step(state, tuple(batches))
+        state, metrics = multi_step(state, tuple(batches), *extra)
       else:
-        state, metrics = train_step(state, batches[0])
+        state, metrics = train_step(state, batches[0], *extra)
       # JAX's preemption notice (SIGTERM on any host) names the same step on every process; a
       # local check, no collective (every step id: orbax asks with step ids too).
       if multi and any([multihost_utils.reached_preemption_sync_point(s) for s in range(step + 1, step + len(batches) + 1)]):
@@ -450,18 +481,18 @@ def _train_and_evaluate(cfg, workdir, log, lease, early_stop=None):
         if task.name == "translation" and cfg.train.eval_bleu_sentences:
           sources, refs = task.splits["dev"]
           n = cfg.train.eval_bleu_sentences
-          hyps = evaluate_lib.translate(model, state["params"], task.tokenizer, sources[:n], beam_size=1,
-                                        max_extra_len=cfg.decode.max_extra_len, batch_size=cfg.decode.batch_size,
-                                        suppress_pad=cfg.decode.suppress_pad)
+          hyps = evaluate_lib.translate(model, full_params(*extra, state["params"]), task.tokenizer, sources[:n],
+                                        beam_size=1, max_extra_len=cfg.decode.max_extra_len,
+                                        batch_size=cfg.decode.batch_size, suppress_pad=cfg.decode.suppress_pad)
           val["val_bleu"] = bleu.sacrebleu_scores(hyps, refs[:n])["bleu"]
         writer.write(step, val)
         log(f"step {step} | " + " | ".join(f"{k} {v:.4f}" for k, v in val.items() if k != "val_tokens"))
         if task.name == "lm" and cfg.train.sample_every_eval:
-          log("sample: " + repr(sample_text(model, state["params"], task.tokenizer, cfg, step)))
+          log("sample: " + repr(sample_text(model, full_params(*extra, state["params"]), task.tokenizer, cfg, step)))
         result.update(val)
       if step % cfg.train.checkpoint_every == 0 or last or stop.signal:
         ckpt.save(step, state, {"step": step, "config": cfg.name, "tokenizer": task.tokenizer_path,
-                                "tokenizer_sha256": tokenizer_hash})
+                                "tokenizer_sha256": tokenizer_hash, **ckpt_meta})
       if stop.signal:
         ckpt.wait()
         log(f"{stop.signal} received: saved a checkpoint at step {step} in {ckpt.directory}. "
@@ -476,7 +507,7 @@ def _train_and_evaluate(cfg, workdir, log, lease, early_stop=None):
     if task.name == "translation" and cfg.train.final_eval_split and "interrupted" not in result:
       split = cfg.train.final_eval_split
       scores, hyps, sources, refs = evaluate_lib.evaluate_translation(
-          cfg, model, state["params"], task.tokenizer, split, os.path.join(workdir, f"{split}.hyp.txt"),
+          cfg, model, full_params(*extra, state["params"]), task.tokenizer, split, os.path.join(workdir, f"{split}.hyp.txt"),
           log=lambda *_: None)
       for src, hyp, ref in list(zip(sources, hyps, refs))[:5]:
         log(f"  src: {src}\n  hyp: {hyp}\n  ref: {ref}")
@@ -508,6 +539,7 @@ def _train_and_evaluate(cfg, workdir, log, lease, early_stop=None):
     metrics_lib.plot_metrics(os.path.join(workdir, "metrics.jsonl"), os.path.join(workdir, "metrics.png"))
   result["step"] = step
   result["state"] = state
+  result["lora_base"] = base
   result["task"] = task
   result["model"] = model
   return result
@@ -561,11 +593,7 @@ def init_from_checkpoint(cfg, tx, abstract, state_sharding, tokenizer_path, log=
 
   `abstract` is the train state's ShapeDtypeStructs with shardings: params restore straight onto the mesh.
   """
-  params, where, meta = restore_params(cfg, cfg.train.init_from, abstract["params"], log, with_meta=True,
-                                       key="train.init_from")
-  if meta.get("tokenizer_sha256") not in (None, evaluate_lib.file_sha256(tokenizer_path)):
-    raise UserError(f"tokenizer {tokenizer_path} is not the one {where} was trained with (its hash differs): "
-                    "fine-tune with the tokenizer of train.init_from")
+  params, where, _ = _restore_init_params(cfg, abstract["params"], tokenizer_path, log)
   zero = jnp.zeros((), jnp.int32)
   reference = "ref_params" in abstract  # DPO: the reference starts as these params (a copy)
   state = jax.jit(lambda p: {"step": zero, "params": p, "opt_state": tx.init(p), "skipped": zero,
@@ -575,22 +603,45 @@ def init_from_checkpoint(cfg, tx, abstract, state_sharding, tokenizer_path, log=
   return state
 
 
-def restore_params(cfg, source, abstract_params, log=print, with_meta=False, key="train.dpo_reference"):
-  """(params, "dir/step"[, meta]) of workdir `source`'s latest checkpoint, restored onto `abstract_params`'
-  shardings (its layers converted when it was saved with the other model.scan_layers)."""
+def restore_params(cfg, source, abstract_params, log=print, key="train.dpo_reference", step=None):
+  """(params, "dir/step", meta) of workdir `source`'s checkpoint `step` (default: latest), restored onto
+  `abstract_params`' shardings (its layers converted when it was saved with the other model.scan_layers)."""
   if not os.path.isdir(os.path.join(source, "checkpoints")):
     raise UserError(f"{key}={source} has no checkpoints/: give a training workdir or one written by "
                     "python -m jaxformer.convert")
   with checkpoint_lib.Checkpointer(source, max_to_keep=None, async_save=False) as src:
-    if evaluate_lib.stored_scan_layers(src) == cfg.model.scan_layers:
-      params, meta = src.restore_params(abstract_params)
+    if evaluate_lib.stored_scan_layers(src, step) == cfg.model.scan_layers:
+      params, meta = src.restore_params(abstract_params, step=step)
     else:  # e.g. a converted Hugging Face model (unrolled) fine-tuned with model.scan_layers=true
       layout = config_lib.replace(cfg, **{"model.scan_layers": not cfg.model.scan_layers})
-      params, meta = src.restore_params(evaluate_lib.abstract_params(layout)[1])
+      params, meta = src.restore_params(evaluate_lib.abstract_params(layout)[1], step=step)
       params = model_lib.convert_layers(params, cfg.model.scan_layers)
       log(f"converted {source}'s layers to the {'scanned' if cfg.model.scan_layers else 'unrolled'} layout")
     where = f"{src.directory}/{meta.get('step')}"
-  return (params, where, meta) if with_meta else (params, where)
+  return params, where, meta
+
+
+def _restore_init_params(cfg, abstract_params, tokenizer_path, log, step=None):
+  """(params, "dir/step", step) of train.init_from's checkpoint `step` (default: latest), laid out as
+  `abstract_params` (ShapeDtypeStructs with shardings) whichever layout it was stored in."""
+  params, where, meta = restore_params(cfg, cfg.train.init_from, abstract_params, log, key="train.init_from",
+                                       step=step)
+  if meta.get("tokenizer_sha256") not in (None, evaluate_lib.file_sha256(tokenizer_path)):
+    raise UserError(f"tokenizer {tokenizer_path} is not the one {where} was trained with (its hash differs): "
+                    "fine-tune with the tokenizer of train.init_from")
+  return params, where, meta.get("step")
+
+
+def load_lora_base(cfg, mesh, tokenizer_path, step=None, log=print):
+  """(base params on the mesh, their shardings, checkpoint meta) for a LoRA run: train.init_from's
+  params at `step` (default: its latest), frozen; the meta records where they came from."""
+  boxed, _ = lora.abstract(cfg)
+  base_sharding = sharding.logical_sharding(boxed, mesh)
+  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.unbox(boxed),
+                          base_sharding)
+  base, where, base_step = _restore_init_params(cfg, abstract, tokenizer_path, log, step)
+  log(f"LoRA base: {where}, frozen (not written to this run's checkpoints)")
+  return base, base_sharding, {"lora_base": os.path.abspath(cfg.train.init_from), "lora_base_step": base_step}
 
 
 def _under_mesh(mesh, jitted):

@@ -1,0 +1,292 @@
+"""Tests for LoRA (jaxformer.lora): adapted = merged, only adapters train and are saved, resume, scan, export."""
+
+import glob
+import json
+import hashlib
+import os
+import pathlib
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from jaxformer import checkpoint as checkpoint_lib
+from jaxformer import config as config_lib
+from jaxformer import convert
+from jaxformer import evaluate
+from jaxformer import lora
+from jaxformer import model as model_lib
+from jaxformer import train
+from jaxformer.errors import UserError
+
+FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
+QUIET = {"log": lambda *a, **k: None}
+
+
+def _lora_cfg(name="gpt2_tiny", *overrides):
+  return config_lib.load_config(name, ["train.lora_rank=4", "train.lora_alpha=8", "train.init_from=unused",
+                                       *overrides])
+
+
+def _init(cfg, model, ids):
+  """The LoRA model's params (base and adapters in one tree), jitted: eager flax init is slow."""
+  def init(ids):
+    with lora.adapters_active(cfg):
+      return nn.unbox(model.init(jax.random.PRNGKey(0), ids)["params"])
+  return jax.jit(init)(ids)
+
+
+def _apply(cfg, model, params, ids, adapted=True):
+  def apply(params, ids):
+    with lora.adapters_active(cfg) if adapted else __import__("contextlib").nullcontext():
+      return model.apply({"params": params}, ids)
+  return np.asarray(jax.jit(apply)(params, ids))
+
+
+def _random_adapters(cfg, ids):
+  """(base, adapters) with A and B random (B is zero at init, which would make every comparison trivial)."""
+  model = model_lib.build_model(cfg.model)
+  base, adapters = lora.split(_init(cfg, model, ids))
+  rng = np.random.default_rng(1)
+  adapters = jax.tree.map(lambda x: (0.1 * rng.standard_normal(x.shape)).astype(np.float32), adapters)
+  return model, base, adapters
+
+
+@pytest.mark.parametrize("name,scan", [("gpt2_tiny", False), ("llama_tiny", True)])
+def test_adapted_model_equals_the_merged_model(name, scan):
+  cfg = _lora_cfg(name, f"model.scan_layers={scan}", "model.remat=full")
+  ids = jnp.asarray(np.random.default_rng(0).integers(3, cfg.model.vocab_size, (2, 12)))
+  model, base, adapters = _random_adapters(cfg, ids)
+
+  def all_three(base, adapters, ids):  # one compile: adapted (x W + s x A B), merged (W + s A B), base
+    with lora.adapters_active(cfg):
+      adapted = model.apply({"params": lora.combine(base, adapters)}, ids)
+    return (adapted, model.apply({"params": lora.merge(base, adapters, cfg)}, ids),
+            model.apply({"params": base}, ids))
+  adapted, merged, plain = map(np.asarray, jax.jit(all_three)(base, adapters, ids))
+  np.testing.assert_allclose(adapted, merged, atol=1e-5, rtol=0)
+  assert np.abs(adapted - plain).max() > 0.1  # the adapters do change the model
+
+
+def test_merge_is_w_plus_scaled_a_b_in_numpy():
+  cfg = _lora_cfg("llama_tiny", "model.scan_layers=true")
+  ids = jnp.ones((1, 4), jnp.int32)
+  _, base, adapters = _random_adapters(cfg, ids)
+  merged = lora.merge(base, adapters, cfg)
+  s = cfg.train.lora_alpha / cfg.train.lora_rank
+  for module in ("query", "out"):  # [L, d, h, k] kernels, and out's [L, h, k, d] with two input axes
+    w = np.asarray(base["decoder"]["layers"]["self_attention"][module]["kernel"], np.float64)
+    a = np.asarray(adapters["decoder"]["layers"]["self_attention"][module][lora.A], np.float64)
+    b = np.asarray(adapters["decoder"]["layers"]["self_attention"][module][lora.B], np.float64)
+    n_in = a.ndim - 2
+    want = np.stack([w[i] + s * np.tensordot(a[i], b[i], axes=([n_in], [0])) for i in range(w.shape[0])])
+    got = np.asarray(merged["decoder"]["layers"]["self_attention"][module]["kernel"])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  # Everything that is not an adapted kernel is the base's, bitwise.
+  np.testing.assert_array_equal(merged["embed"]["embedding"], base["embed"]["embedding"])
+
+
+def test_adapters_start_at_zero_with_logical_names():
+  cfg = _lora_cfg("llama_tiny", "model.scan_layers=true")
+  boxed_base, boxed = lora.abstract(cfg)
+  query = boxed["decoder"]["layers"]["self_attention"]["query"]
+  assert query[lora.A].names == ("layers", "embed", "lora")
+  assert query[lora.B].names == ("layers", "lora", "heads", "kv")
+  assert set(jax.tree.leaves(jax.tree.map(lambda x: x.names[-1] if x.names[-1] == "lora" else "b",
+                                          boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)))) \
+      == {"lora", "b"}
+  m = cfg.model
+  per_layer = 4 * ((m.d_model + m.num_heads * m.dim_per_head) + 2 * (m.d_model + m.kv_heads * m.dim_per_head)
+                   + (m.num_heads * m.dim_per_head + m.d_model) + 3 * (m.d_model + m.d_ff))
+  assert lora.count(boxed) == m.num_layers * per_layer  # r (in + out) per adapted kernel
+  assert "lora_a" not in json.dumps(jax.tree.map(lambda x: 0, nn.unbox(boxed_base)))
+  model = model_lib.build_model(m)
+  ids = jnp.ones((1, 6), jnp.int32)
+  params = _init(cfg, model, ids)
+  base, adapters = lora.split(params)
+  b_leaves = [x for p, x in jax.tree_util.tree_leaves_with_path(adapters) if p[-1].key == lora.B]
+  a_leaves = [x for p, x in jax.tree_util.tree_leaves_with_path(adapters) if p[-1].key == lora.A]
+  assert b_leaves and not any(np.any(np.asarray(b)) for b in b_leaves)  # B = 0: training starts at the base
+  assert all(np.asarray(a).std() > 0 for a in a_leaves)
+  np.testing.assert_array_equal(_apply(cfg, model, params, ids), _apply(cfg, model, base, ids, adapted=False))
+
+
+def test_bad_lora_settings_are_one_line_errors():
+  cfg = _lora_cfg("llama_tiny", "train.lora_targets=qproj")
+  with pytest.raises(UserError) as e:
+    lora.target_paths(cfg)
+  message = str(e.value)
+  assert "\n" not in message and "matches no parameter path" in message
+  assert "decoder/layer_<i>/self_attention/query/kernel" in message and "decoder/layer_<i>/ffn/wi_gate/kernel" in message
+  assert lora.target_paths(_lora_cfg("llama_tiny", "train.lora_targets=ffn/wo/")) == [
+      "decoder/layer_0/ffn/wo/kernel", "decoder/layer_1/ffn/wo/kernel"]
+  with pytest.raises(UserError, match="needs train.init_from"):
+    train.train_and_evaluate(config_lib.load_config("gpt2_tiny", ["train.lora_rank=8"]), "/nonexistent/x", **QUIET)  # before the workdir is made
+  with pytest.raises(UserError, match="not a regular expression"):
+    _lora_cfg("gpt2_tiny", "train.lora_targets=(query")
+  with pytest.raises(UserError, match="lora_rank=-1"):
+    config_lib.load_config("gpt2_tiny", ["train.lora_rank=-1"])
+
+
+# ---------------------------------------------------------------------------
+# Whole runs: a tiny base trained here, LoRA on it.
+
+
+def _files_digest(directory):
+  h = hashlib.sha256()
+  for path in sorted(glob.glob(os.path.join(directory, "**"), recursive=True)):
+    if os.path.isfile(path):
+      h.update(path.encode())
+      h.update(pathlib.Path(path).read_bytes())
+  return h.hexdigest()
+
+
+def _losses(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [(r["step"], r["loss"]) for r in map(json.loads, f) if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("lora")
+  rng = np.random.default_rng(0)
+  words = "the cat dog sat on a mat and ran to big red house".split()
+  (tmp / "text.txt").write_text("\n".join(" ".join(rng.choice(words, 8)) + "." for _ in range(300)))
+  common = [f"data.text_path={tmp / 'text.txt'}", "model.num_layers=2", "train.log_every=1", "train.eval_every=1000",
+            "train.eval_batches=1", "train.sample_every_eval=false", "optim.schedule=constant",
+            "optim.learning_rate=3e-3"]
+  base = str(tmp / "base")
+  train.train_and_evaluate(config_lib.load_config("gpt2_tiny", common + ["train.num_steps=2",
+                                                                         "train.checkpoint_every=2"]), base, **QUIET)
+  lora_overrides = common + [f"train.init_from={base}", "train.lora_rank=4", "optim.learning_rate=2e-2",
+                             "train.checkpoint_every=3"]
+  return tmp, base, lambda *extra: config_lib.load_config("gpt2_tiny", lora_overrides + list(extra))
+
+
+@pytest.mark.slow
+def test_lora_trains_only_adapters_and_resumes_exactly(base_run):
+  tmp, base, make_cfg = base_run
+  before = _files_digest(base)
+  full = train.train_and_evaluate(make_cfg("train.num_steps=6"), str(tmp / "a"), **QUIET)
+  # Only adapters are trained, held by the optimizer and written to checkpoints.
+  adapters = full["state"]["params"]
+  assert {p[-1].key for p, _ in jax.tree_util.tree_leaves_with_path(adapters)} == {lora.A, lora.B}
+  n_adapters = lora.count(adapters)
+  moments = [x for x in jax.tree.leaves(full["state"]["opt_state"]) if np.ndim(x) > 0]
+  assert sum(x.size for x in moments) == 2 * n_adapters  # Adam's mu and nu, the adapters' shapes
+  with checkpoint_lib.Checkpointer(str(tmp / "a"), max_to_keep=None, async_save=False) as ckpt:
+    stored = [p for p in ckpt.stored_paths() if p.startswith(("params/", "opt_state/"))]
+  assert [p for p in stored if p.startswith("params/")] and \
+      all(p.endswith(("/lora_a", "/lora_b")) for p in stored if p.startswith("params/"))
+  assert not [p for p in stored if p.endswith(("/kernel", "/embedding", "/scale", "/bias", "/position_embedding"))]
+  # The base is read, never written: its workdir is byte for byte as it was, and the run's base is its params.
+  assert _files_digest(base) == before
+  _, _, base_params, _, _ = evaluate.load_run(base, **QUIET)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(full["lora_base"]), base_params)
+  assert float(np.abs(np.asarray(adapters["decoder"]["layer_0"]["ffn"]["wo"][lora.B])).max()) > 1e-3  # B trained
+  losses = _losses(str(tmp / "a"))
+  # Resume mid-run: 3 steps, then the same command to 6, gives the same losses and state bitwise.
+  resumed_dir = str(tmp / "b")
+  train.train_and_evaluate(make_cfg("train.num_steps=3"), resumed_dir, **QUIET)
+  logs = []
+  again = train.train_and_evaluate(make_cfg("train.num_steps=6"), resumed_dir, log=logs.append)
+  assert any(line.startswith("resumed from") for line in logs)
+  assert _losses(resumed_dir) == losses
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(again["state"]), jax.device_get(full["state"]))
+  # eval's load_run of the LoRA workdir: the base with the adapters merged in (a plain model).
+  cfg, model, merged, _, meta = evaluate.load_run(str(tmp / "a"), **QUIET)
+  assert cfg.train.lora_rank == 0 and meta["lora_base_step"] == 2
+  jax.tree.map(np.testing.assert_array_equal, merged,
+               jax.device_get(lora.merge(full["lora_base"], adapters, make_cfg())))
+  # model.scan_layers with model.remat from the same (unrolled) base: its layers are stacked on the way in.
+  # (Its adapters start from other random A's, nn.scan drawing one per layer; same-start equality is below.)
+  scanned = train.train_and_evaluate(make_cfg("train.num_steps=2", "model.scan_layers=true", "model.remat=full"),
+                                     str(tmp / "scan"), **QUIET)
+  assert "layers" in scanned["state"]["params"]["decoder"]
+  assert _losses(str(tmp / "scan"))[0][1] == pytest.approx(losses[0][1], rel=1e-5)  # B = 0: the base's loss
+
+
+@pytest.mark.slow
+def test_lora_steps_with_scan_layers_and_remat_equal_the_unrolled_ones():
+  """The same adapters, optimizer state and base, stacked for model.scan_layers (+ remat): the same losses."""
+  from jaxformer import optim, tasks  # pylint: disable=g-import-not-at-top
+  cfgs = [_lora_cfg("llama_tiny", "model.scan_layers=false", "optim.schedule=constant", "optim.learning_rate=0.02"),
+          _lora_cfg("llama_tiny", "model.scan_layers=true", "model.remat=full", "optim.schedule=constant",
+                    "optim.learning_rate=0.02")]
+  rng = np.random.default_rng(0)
+  ids = rng.integers(3, cfgs[0].model.vocab_size, (4, 17))
+  batches = [{"inputs": jnp.asarray(np.roll(ids, i, 0)[:, :-1]), "targets": jnp.asarray(np.roll(ids, i, 0)[:, 1:])}
+             for i in range(3)]
+  model0 = model_lib.build_model(cfgs[0].model)
+  tx, schedule = optim.build_optimizer(cfgs[0])
+  state = jax.jit(lambda r: nn.unbox(train.init_state(model0, tx, (batches[0]["inputs"],), r, cfg=cfgs[0])))(
+      jax.random.PRNGKey(0))
+  base, _ = lora.split(_init(cfgs[0], model0, batches[0]["inputs"]))
+  runs = []
+  for cfg in cfgs:
+    s, b = (state, base) if not cfg.model.scan_layers else (model_lib.convert_layers(state, True),
+                                                            model_lib.convert_layers(base, True))
+    step = jax.jit(train.make_train_step(model_lib.build_model(cfg.model), tasks.LMTask, cfg, tx, schedule))
+    losses = []
+    for batch in batches:
+      s, metrics = step(s, batch, b)
+      losses.append(float(metrics["loss_sum"]))
+    runs.append(losses)
+  assert runs[0][0] != runs[0][-1]  # the adapters did train
+  np.testing.assert_allclose(runs[1], runs[0], rtol=1e-5)
+
+
+def _hf_tensors(directory, pattern="*.safetensors"):
+  out = {}
+  for path in glob.glob(os.path.join(directory, pattern)):
+    with safe_open(path, framework="np") as f:
+      out.update({k: f.get_tensor(k) for k in f.keys()})
+  return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,targets", [("gpt2", r"(query|value|wo)/kernel$"), ("llama", "")])
+def test_merged_and_peft_exports_agree(name, targets, tmp_path):
+  """The PEFT adapter, applied in numpy as peft merges it (W + alpha / r B A, per HF module, with
+  rank_pattern / alpha_pattern), gives the merged export's tensors; the base's other tensors are unchanged."""
+  base = str(tmp_path / "base")
+  convert.from_hf(str(FIXTURES / name), base, **QUIET)
+  text = tmp_path / "text.txt"
+  text.write_text(" ".join(["A man in an orange hat starring at something."] * 40) + "\n")
+  cfg = config_lib.load_config(os.path.join(base, "config.json"), [
+      f"train.init_from={base}", "train.lora_rank=2", "train.lora_alpha=6", "data.block_size=16",
+      f"data.text_path={text}", "data.batch_size=2", "train.num_steps=2", "train.log_every=1",
+      "train.eval_every=2", "train.checkpoint_every=2", "train.eval_batches=1", "train.sample_every_eval=false",
+      "optim.schedule=constant", "optim.learning_rate=0.05", *([f"train.lora_targets={targets}"] if targets else [])])
+  run = str(tmp_path / "run")
+  train.train_and_evaluate(cfg, run, **QUIET)
+  convert.to_hf(run, str(tmp_path / "merged"), **QUIET)
+  convert.to_peft(run, str(tmp_path / "peft"), **QUIET)
+  original, merged = _hf_tensors(FIXTURES / name), _hf_tensors(tmp_path / "merged")
+  adapter = _hf_tensors(tmp_path / "peft")
+  config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+  assert config["peft_type"] == "LORA" and config["r"] == 2 and config["fan_in_fan_out"] == (name == "gpt2")
+  changed = set()
+  for module in config["target_modules"]:
+    a = adapter[f"base_model.model.{module}.lora_A.weight"].astype(np.float64)
+    b = adapter[f"base_model.model.{module}.lora_B.weight"].astype(np.float64)
+    key = next((k for k in config["rank_pattern"] if __import__("re").fullmatch(k, module)), None)
+    r, alpha = (config["rank_pattern"][key], config["alpha_pattern"][key]) if key else (config["r"], config["lora_alpha"])
+    assert a.shape[0] == b.shape[1] == r
+    delta = alpha / r * (b @ a)  # [out, in], torch's Linear layout
+    weight = original[f"{module}.weight"].astype(np.float64)
+    if config["fan_in_fan_out"]:
+      delta = delta.T  # GPT-2's Conv1D holds [in, out]
+    np.testing.assert_allclose(merged[f"{module}.weight"], weight + delta, rtol=1e-5, atol=1e-6, err_msg=module)
+    assert np.abs(delta).max() > 1e-4, module
+    changed.add(f"{module}.weight")
+  for key, value in original.items():  # the rest: the base's, unchanged by the export
+    if key not in changed:
+      np.testing.assert_array_equal(merged[key], value, err_msg=key)
+  want = {"gpt2": 2, "llama": 7}[name] * cfg.model.num_layers  # gpt2: c_attn (query, value), mlp.c_proj
+  assert len(config["target_modules"]) == want
+  with pytest.raises(UserError, match="not a LoRA run"):
+    convert.to_peft(base, str(tmp_path / "nope"), **QUIET)
