@@ -504,7 +504,8 @@ class Checkpointer:
   def stored_paths(self, step=None):
     """The paths ('params/decoder/layer_0/...') of what `step` (default: latest) holds."""
     step = self._resolve_step(step)
-    stored = ocp.StandardCheckpointHandler().metadata(epath.Path(self.directory) / str(step) / "state")
+    stored = self._read(step, lambda: ocp.StandardCheckpointHandler().metadata(
+        epath.Path(self.directory) / str(step) / "state"), "its array metadata")
     return [checksum.path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path(stored.tree)]
 
   def wait(self):

@@ -236,7 +236,7 @@ def test_the_default_sample_prompt_is_one_the_tokenizer_encodes(monkeypatch):
       fed.append(prompts), real(model, params, prompts, *a, **k))[1])
   for chars, want in (("abc de", lambda t: [t.bos_id]), ("abc de\n", lambda t: t.encode("\n"))):
     tokenizer = tokenizer_lib.CharTokenizer(chars)
-    cfg = config_lib.load_config("gpt2_tiny", ["model.max_len=16", f"model.vocab_size={tokenizer.vocab_size}"])
+    cfg = config_lib.load_config("gpt2_tiny", ["model.max_len=16", "data.block_size=16", f"model.vocab_size={tokenizer.vocab_size}"])
     model = model_lib.build_model(cfg.model)
     params = jax.jit(model.init)(jax.random.key(0), jnp.ones((1, 8), jnp.int32))["params"]
     text = train.sample_text(model, params, tokenizer, cfg, step=1, max_new_tokens=4)

@@ -48,7 +48,7 @@ def test_colab_notebook_trains_samples_and_evaluates(tmp_path, monkeypatch):
   sharding = re.search(r"NamedSharding\(mesh=Mesh\((.*?)\), spec=(?:PartitionSpec|P)\(([^)]*)\)", train_out)
   assert sharding, train_out
   mesh = {k: int(v) for k, v in re.findall(r"'(\w+)': (\d+)", sharding[1])}
-  assert mesh == {"data": 4, "fsdp": 1, "tensor": 1}, sharding[1]
+  assert mesh == {"data": 4, "fsdp": 1, "tensor": 1, "expert": 1}, sharding[1]
   named = re.findall(r"'(\w+)'", sharding[2])  # the rule table's axes for [embed, mlp]: fsdp, tensor
   assert named == ["fsdp", "tensor"] and all(mesh[a] == 1 for a in named), sharding[2]  # so: replicated
   # The sample decodes: the prompt, then MAX_NEW_TOKENS characters of the text's alphabet.

@@ -272,8 +272,8 @@ def test_nan_policy_in_the_loop(tiny_run, tmp_path, monkeypatch):
   workdir, _, _ = tiny_run
   init_state = train.init_state
 
-  def nan_init(*args):
-    state = init_state(*args)
+  def nan_init(*args, **kwargs):
+    state = init_state(*args, **kwargs)
     return {**state, "params": jax.tree.map(lambda x: x * jnp.nan, state["params"])}
 
   monkeypatch.setattr(train, "init_state", nan_init)
