@@ -284,6 +284,7 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
   try:
     return _train_and_evaluate(cfg, workdir, log, lease, early_stop)
   finally:
+    layers.log_attention_choices(None)  # later programs (a notebook's sampling cell) log through `logging` again
     if early_stop is not None:
       early_stop.restore()
     if lease is not None:
