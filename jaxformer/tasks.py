@@ -246,6 +246,16 @@ def model_loss(model, params, args, rngs, deterministic, targets, weights, label
 class _FineTuning:
   """What SFT and DPO data share: shards from `chat.ensure_prepared`, the run's tokenizer."""
 
+  def train_batch(self, step):
+    return self.train.batch_at(step)
+
+  def eval_batches(self, split="dev", limit=0):
+    """The validation examples in stored order (all of them when limit is 0)."""
+    if self.val is None or not self.val.examples:
+      return []
+    steps = self.val.steps_per_epoch if not limit else min(limit, self.val.steps_per_epoch)
+    return [self.val.batch_at(i) for i in range(steps)]
+
   def _open(self, cfg, workdir, batch_multiple, log):
     d = cfg.data
     self.cfg = cfg
@@ -298,16 +308,6 @@ class ChatTask(_FineTuning):
     self._report(self.train, "train", log)
     self.val = make("val", shuffle=False) if "val" in self.streams else None
 
-  def train_batch(self, step):
-    return self.train.batch_at(step)
-
-  def eval_batches(self, split="dev", limit=0):
-    """The validation examples in stored order (all of them when limit is 0)."""
-    if self.val is None or not self.val.examples:
-      return []
-    steps = self.val.steps_per_epoch if not limit else min(limit, self.val.steps_per_epoch)
-    return [self.val.batch_at(i) for i in range(steps)]
-
   loss = staticmethod(LMTask.loss)
 
 
@@ -325,15 +325,6 @@ class PreferenceTask(_FineTuning):
     self.train = make("train", seed=cfg.train.seed)
     self._report(self.train, "train", log)
     self.val = make("val", shuffle=False) if "val" in self.streams else None
-
-  def train_batch(self, step):
-    return self.train.batch_at(step)
-
-  def eval_batches(self, split="dev", limit=0):
-    if self.val is None or not self.val.examples:
-      return []
-    steps = self.val.steps_per_epoch if not limit else min(limit, self.val.steps_per_epoch)
-    return [self.val.batch_at(i) for i in range(steps)]
 
   @staticmethod
   def sequence_log_probs(model, params, batch, rngs, deterministic):
