@@ -88,11 +88,12 @@ class MetricWriter:
       import tensorboardX  # pylint: disable=g-import-not-at-top
       self._tb = tensorboardX.SummaryWriter(os.path.join(workdir, "tb"))
 
-  def write(self, step, metrics):
-    """Appends `{"step", "time", **metrics}` as a JSON line and to TensorBoard."""
+  def write(self, step, metrics, when=None):
+    """Appends `{"step", "time", **metrics}` as a JSON line and to TensorBoard; `time` is `when`
+    (default: now), e.g. the moment the logged rates were measured."""
     if not self.enabled:
       return
-    record = {"step": int(step), "time": time.time()}
+    record = {"step": int(step), "time": time.time() if when is None else when}
     record.update({k: _to_python(v) for k, v in metrics.items()})
     self._jsonl.write(json.dumps(record) + "\n")
     for key, value in metrics.items():

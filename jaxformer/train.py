@@ -465,7 +465,7 @@ def _train_and_evaluate(cfg, workdir, log, lease, early_stop=None):
         tokens_since, flops_since, steps_since, t_last = 0, 0.0, 0, now
         summary["compilations"] = train_step._cache_size() + multi_step._cache_size()
         summary["skipped"] = int(state["skipped"])
-        writer.write(step, summary)
+        writer.write(step, summary, when=now)  # the time its step_ms and tokens/s were measured at
         writer.progress(step, summary)
         if summary.pop("nonfinite") and cfg.train.nan_policy == "stop":
           raise UserError(f"non-finite loss or gradient before step {step} (train.nan_policy=stop); "
