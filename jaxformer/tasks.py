@@ -117,6 +117,16 @@ class TranslationTask:
     return (batch["inputs"], batch["decoder_inputs"])
 
 
+def _run_tokenizer(cfg, workdir):
+  """(path, tokenizer) of the run's prepared tokenizer; one line if it has more ids than the model."""
+  path = tokenizer_path(cfg, workdir)
+  tok = prepare.load_run_tokenizer(cfg, path)
+  if tok.vocab_size > cfg.model.vocab_size:
+    raise UserError(f"the {cfg.data.tokenizer} tokenizer has {tok.vocab_size} ids but "
+                    f"model.vocab_size={cfg.model.vocab_size}; set model.vocab_size={tok.vocab_size}")
+  return path, tok
+
+
 class LMTask:
   """Prepared token shards -> random windows or packed rows -> next-token loss."""
 
@@ -130,11 +140,7 @@ class LMTask:
     d = cfg.data
     self.cfg = cfg
     manifest = prepare.ensure_prepared(cfg, workdir, log)
-    self.tokenizer_path = tokenizer_path(cfg, workdir)
-    self.tokenizer = prepare.load_run_tokenizer(cfg, self.tokenizer_path)
-    if self.tokenizer.vocab_size > cfg.model.vocab_size:
-      raise UserError(f"the {d.tokenizer} tokenizer has {self.tokenizer.vocab_size} ids but "
-                      f"model.vocab_size={cfg.model.vocab_size}; set model.vocab_size={self.tokenizer.vocab_size}")
+    self.tokenizer_path, self.tokenizer = _run_tokenizer(cfg, workdir)
     self.data_dir = prepare.data_dir(cfg, workdir)
     self.train_stream = shards.TokenStream(self.data_dir, "train", "text", manifest)
     self.val_stream = shards.TokenStream(self.data_dir, "val", "text", manifest)
@@ -260,11 +266,7 @@ class _FineTuning:
     d = cfg.data
     self.cfg = cfg
     manifest = chat.ensure_prepared(cfg, workdir, log)
-    self.tokenizer_path = tokenizer_path(cfg, workdir)
-    self.tokenizer = prepare.load_run_tokenizer(cfg, self.tokenizer_path)
-    if self.tokenizer.vocab_size > cfg.model.vocab_size:
-      raise UserError(f"the {d.tokenizer} tokenizer has {self.tokenizer.vocab_size} ids but "
-                      f"model.vocab_size={cfg.model.vocab_size}; set model.vocab_size={self.tokenizer.vocab_size}")
+    self.tokenizer_path, self.tokenizer = _run_tokenizer(cfg, workdir)
     if d.batch_size % batch_multiple or d.batch_size % cfg.optim.grad_accum_steps:
       raise UserError(f"data.batch_size={d.batch_size} must be a multiple of the data-parallel size "
                       f"({batch_multiple}) and of optim.grad_accum_steps ({cfg.optim.grad_accum_steps})")

@@ -40,3 +40,18 @@ def tiny_run(tmp_path_factory):
   cfg = tiny_config()
   result = train.train_and_evaluate(cfg, workdir, log=lambda *a: None)
   return workdir, cfg, result
+
+
+def window_by_window_nll(model, params, ids, block):
+  """Summed NLL of `ids` over non-overlapping windows of `block` targets, each recomputed alone (float64)."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  apply = jax.jit(model.apply)
+  total = 0.0
+  for start in range(0, len(ids) - 1, block):
+    window = ids[start:start + block + 1]
+    logits = np.asarray(apply({"params": params}, jnp.asarray(window[None, :-1])), np.float64)[0]
+    logits -= logits.max(-1, keepdims=True)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    total -= logp[np.arange(len(window) - 1), window[1:]].sum()
+  return total

@@ -22,6 +22,7 @@ from jaxformer import sources
 from jaxformer import tasks
 from jaxformer import tokenizer as tokenizer_lib
 from jaxformer import train
+from conftest import window_by_window_nll
 from jaxformer.errors import UserError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -211,14 +212,7 @@ def test_perplexity_of_a_file_in_blocks_equals_the_whole_text(tmp_path):
     blocks = sources.document_blocks(str(tmp_path / "t.txt"), block_size)
     assert evaluate.perplexity(model, params, tok, blocks, block, 2) == whole
   ids = np.asarray(tok.encode(text))
-  apply = jax.jit(model.apply)
-  total = 0.0
-  for start in range(0, len(ids) - 1, block):
-    window = ids[start:start + block + 1]
-    logits = np.asarray(apply({"params": params}, jnp.asarray(window[None, :-1])), np.float64)[0]
-    logits -= logits.max(-1, keepdims=True)
-    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-    total -= logp[np.arange(len(window) - 1), window[1:]].sum()
+  total = window_by_window_nll(model, params, ids, block)
   assert (len(ids) - 1) > 4 * block
   assert whole["tokens"] == len(ids) - 1 and whole["chars"] == len(text) and whole["words"] == len(text.split())
   np.testing.assert_allclose(whole["nll_per_token"], total / (len(ids) - 1), rtol=1e-5)

@@ -23,6 +23,7 @@ from jaxformer import tasks
 from jaxformer import tokenizer as tokenizer_lib
 from jaxformer.config import load_config
 from jaxformer.errors import UserError
+from conftest import window_by_window_nll
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 HYPS = ["the cat sat on the mat .", "a dog is running in the park", "hello world"]
@@ -225,14 +226,7 @@ def test_perplexity_matches_a_window_by_window_computation():
   block = cfg.data.block_size
   result = evaluate.perplexity(model, params, tok, TEXT, block_size=block, batch_size=2)
   ids = np.asarray(tok.encode(TEXT))
-  apply = jax.jit(model.apply)
-  total = 0.0
-  for start in range(0, len(ids) - 1, block):
-    window = ids[start:start + block + 1]
-    logits = np.asarray(apply({"params": params}, jnp.asarray(window[None, :-1])), np.float64)[0]
-    logits -= logits.max(-1, keepdims=True)
-    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-    total -= logp[np.arange(len(window) - 1), window[1:]].sum()
+  total = window_by_window_nll(model, params, ids, block)
   assert len(ids) - 1 > 3 * block and (len(ids) - 1) % block  # several windows, the last one partial
   np.testing.assert_allclose(result["nll_per_token"], total / (len(ids) - 1), rtol=1e-5)
   np.testing.assert_allclose(result["ppl_per_char"], math.exp(total / len(TEXT)), rtol=1e-5)
