@@ -6,7 +6,9 @@ On whatever devices JAX sees (all of them, FSDP over every device as train.py's 
 mesh does), in bf16 (the recipes' own model.dtype):
 - `gpt2_small` (1,024 tokens, 8 sequences per device) and `wmt_base` (64 sentence pairs
   of 64 + 64 tokens per device) train steps, the trainer's own `make_train_step`, on
-  random full batches (no data set is read: the machine may have no internet). Printed:
+  random full batches (no data set is read: the machine may have no internet), once per
+  `model.attention_impl` (auto and the backend's kernels, `KERNELS`, or --kernels), so the
+  line per program says which kernel is fastest there and how auto compares. Printed:
   the kernel the attention dispatcher chose for each shape (its log lines), ms/step,
   tokens/s, MFU against the datasheet bf16 peak in `inspect.DEVICES` x device count, and
   XLA's temporaries.
@@ -63,6 +65,9 @@ FULL = {"gpt2_small": ("gpt2_small", ["model.dtype=bfloat16"], (8, 1024)),
         "wmt_base": ("wmt_base", ["model.dtype=bfloat16"], (64, 64, 64))}
 FAST = {"gpt2_small": ("gpt2_tiny", ["model.dtype=bfloat16", "model.num_layers=1"], (2, 32)),
         "wmt_base": ("tiny_encdec", ["model.dtype=bfloat16", "model.num_layers=1"], (2, 16, 16))}
+# model.attention_impl values timed beside `auto` per platform: the dense path auto keeps below its
+# length threshold, the vendor kernel, the tiled one (a request that cannot run logs its fallback).
+KERNELS = {"gpu": ["xla", "cudnn", "tiled"], "tpu": ["einsum", "splash", "tiled"], "cpu": ["einsum", "tiled"]}
 DECODE = {False: ("gpt2_small", ["model.dtype=bfloat16"], 128, 128), True: ("gpt2_tiny", ["model.dtype=bfloat16"], 8, 8)}
 
 
@@ -129,6 +134,8 @@ def main(argv=None):
   parser.add_argument("--steps", type=int, default=20, help="steps per train program per round")
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--fast", action="store_true", help="smoke run on tiny configs (CPU)")
+  parser.add_argument("--kernels", type=lambda s: s.split(","), default=None,
+                      help="model.attention_impl values timed beside auto (default: the backend's, KERNELS)")
   args = parser.parse_args(argv)
   if args.fast:
     args.steps, args.rounds = 2, 1
@@ -149,22 +156,31 @@ def main(argv=None):
   print(f"peak for MFU: {peak / 1e12:.3f} TFLOP/s ({peak_note}); bandwidth {bandwidth / 1e9:.0f} GB/s")
 
   programs = FAST if args.fast else FULL
+  impls = ["auto", *[k for k in (args.kernels or KERNELS.get(device.platform, ["einsum", "tiled"])) if k != "auto"]]
   variants = []
   for label, (recipe, overrides, shape) in programs.items():
-    variant, cfg, flops, tokens, kernels = train_variant(label, recipe, overrides, shape, mesh)
-    variants.append((variant, cfg, flops, tokens))
-    print(f"\n{label} ({cfg.name}, {cfg.model.dtype}, model.attention_impl={cfg.model.attention_impl}), batch "
-          f"{shape[0]} x {'+'.join(map(str, shape[1:]))} per device; compiled in {variant.compile_s:.1f} s")
-    for line in kernels or ["(none logged: these shapes were traced before in this process)"]:
-      print(f"  kernel: {line}")
-  for _ in range(args.rounds):  # interleaved, so a drifting machine slows both alike
+    for impl in impls:
+      variant, cfg, flops, tokens, kernels = train_variant(f"{label}/{impl}", recipe,
+                                                           [*overrides, f"model.attention_impl={impl}"], shape, mesh)
+      variants.append((variant, cfg, flops, tokens))
+      print(f"\n{variant.name} ({cfg.name}, {cfg.model.dtype}), batch {shape[0]} x "
+            f"{'+'.join(map(str, shape[1:]))} per device; compiled in {variant.compile_s:.1f} s")
+      for line in kernels or ["(none logged: these shapes were traced before in this process)"]:
+        print(f"  kernel: {line}")
+  for _ in range(args.rounds):  # interleaved, so a drifting machine slows all alike
     for variant, *_ in variants:
       variant.run(args.steps)
-  print(f"\n{'program':<12}{'ms/step':>9}{'tokens/s':>12}{'TFLOP/s':>9}{'MFU':>7}{'temp MiB':>10}")
+  print(f"\n{'program':<22}{'ms/step':>9}{'tokens/s':>12}{'TFLOP/s':>9}{'MFU':>7}{'temp MiB':>10}")
+  walls = {}
   for variant, cfg, flops, tokens in variants:
-    wall = float(np.median(variant.wall))
-    print(f"{variant.name:<12}{wall * 1e3:9.2f}{tokens / wall:12,.0f}{flops / wall / 1e12:9.3f}"
+    wall = walls[variant.name] = float(np.median(variant.wall))
+    print(f"{variant.name:<22}{wall * 1e3:9.2f}{tokens / wall:12,.0f}{flops / wall / 1e12:9.3f}"
           f"{100 * flops / wall / peak:6.1f}%{variant.temp_mib:10,.0f}")
+  for label in programs:  # what `auto`'s rule (layers.choose_attention) should be here, measured
+    mine = {impl: walls[f"{label}/{impl}"] for impl in impls}
+    best = min(mine, key=mine.get)
+    print(f"{label}: fastest kernel request {best} ({mine[best] * 1e3:.2f} ms); auto {mine['auto'] * 1e3:.2f} ms "
+          f"= {mine['auto'] / mine[best]:.2f}x the fastest")
   kernels, lines = decode_check(args.fast, bandwidth, peak)
   print()
   for line in kernels or ["(none logged: these shapes were traced before in this process)"]:

@@ -127,6 +127,11 @@ def load_run(workdir, average_last=0, step=None, log=print, overrides=(), scan_l
       raise
   if scan_layers is not None:
     cfg = config_lib.replace(cfg, **{"model.scan_layers": bool(scan_layers)})
+  try:  # a kernel is a speed setting, not part of the model: a TPU run (splash) evaluates on a CPU
+    config_lib.check_backend(cfg.model, jax.default_backend())
+  except UserError as e:
+    print(f"note: {path}: {str(e).split(':')[0]}; evaluating with model.attention_impl=auto", file=sys.stderr)
+    cfg = config_lib.replace(cfg, **{"model.attention_impl": "auto"})
   if lora.enabled(cfg):
     return _load_lora_run(cfg, workdir, average_last, step, log)
   # Read-only (no lease, no cleanup): works while training writes the workdir. Every checkpoint

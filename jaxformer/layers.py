@@ -308,8 +308,10 @@ def choose_attention(implementation, q_shape, kv_shape, dtype, dropout, backend=
   causal: the training causal mask (slots = arange); slotted: a mask from KV-cache slots
   (decode); alibi: an ALiBi bias. These decide whether the backend kernels of
   `jaxformer.kernels` can run: splash (Pallas, TPU) and cuDNN (GPU) each say why not, and the
-  tiled kernel runs instead. `auto` picks them first on their backend (neither has run on its
-  device in this project yet: BENCHMARKS.md, "device_check").
+  tiled kernel runs instead. `auto` picks them on their backend for long rows (q_len x kv_len >=
+  TILED_MIN_LENGTH^2), where the dense path's memory is measured to lose; below that it keeps the
+  dense path, because neither has been timed on its device in this project yet (BENCHMARKS.md,
+  "device_check"; the rule is: auto changes only where the new kernel is measured not slower).
   """
   backend = backend or jax.default_backend()
   q_len, kv_len = q_shape[1], kv_shape[1]
@@ -318,28 +320,32 @@ def choose_attention(implementation, q_shape, kv_shape, dtype, dropout, backend=
     why = "attention dropout is on: only the dense path implements it"
     return "einsum", why if implementation in ("auto", "einsum") else f"{why} ({implementation} requested)"
   shape_args = dict(causal=causal, has_bias=alibi, decode=slotted and not causal)
-  if implementation == "splash" or (implementation == "auto" and backend == "tpu"):
+  long = q_len * kv_len >= TILED_MIN_LENGTH ** 2
+  # `auto` takes a backend kernel only where the dense path is measured to be the worse one (long
+  # rows: its [q, kv] temporaries, BENCHMARKS.md "Tiled attention"); below that it keeps the dense
+  # path each backend ran before, until benchmarks/device_check.py has timed splash/cuDNN there.
+  if implementation == "splash" or (implementation == "auto" and backend == "tpu" and long):
     # Requested by name, splash is checked as for a TPU whatever the default backend.
     reason = kernels.splash_supported(q_shape, kv_shape, dtype, backend="tpu", **shape_args)
+    why = "requested" if implementation == "splash" else f"auto on tpu, q_len x kv_len >= {TILED_MIN_LENGTH}^2"
     if reason is None:
-      return "splash", "requested" if implementation == "splash" else "auto on tpu"
-    return "tiled", f"splash {'requested' if implementation == 'splash' else 'is auto on tpu'} but {reason}"
-  if implementation == "cudnn" or (implementation == "auto" and backend == "gpu"):
+      return "splash", why
+    return "tiled", f"splash {why} but {reason}"
+  if implementation == "cudnn" or (implementation == "auto" and backend == "gpu" and long):
     # Segment ids are checked per batch (packed rows take the tiled kernel: `_cudnn_or_tiled`).
     reason = kernels.cudnn_supported(q_shape, kv_shape, dtype, segments="padding", backend="gpu", **shape_args)
+    why = "requested" if implementation == "cudnn" else f"auto on gpu, q_len x kv_len >= {TILED_MIN_LENGTH}^2"
     if reason is None:
-      why = "requested" if implementation == "cudnn" else "auto on gpu"
       return "cudnn", f"{why}; a batch with packed rows (several segments) runs the tiled kernel"
-    if implementation == "cudnn":
-      return "tiled", f"cudnn requested but {reason}"
+    return "tiled", f"cudnn {why} but {reason}"
   if implementation != "auto":
     return implementation, "requested"
-  if q_len * kv_len >= TILED_MIN_LENGTH ** 2:
+  if long:
     return "tiled", f"q_len x kv_len {q_len}x{kv_len} >= {TILED_MIN_LENGTH}^2: memory linear in the length"
+  unmeasured = {"tpu": " (splash not timed on a TPU yet)", "gpu": " (cuDNN not timed on a GPU yet)"}.get(backend, "")
   if backend == "gpu":
-    return "xla", (f"gpu, below {TILED_MIN_LENGTH}^2, cuDNN cannot ({reason}): "
-                   "jax.nn.dot_product_attention's XLA path")
-  return "einsum", f"{backend}, below {TILED_MIN_LENGTH}^2: dense head-major matmuls"
+    return "xla", f"gpu, below {TILED_MIN_LENGTH}^2: jax.nn.dot_product_attention's XLA path{unmeasured}"
+  return "einsum", f"{backend}, below {TILED_MIN_LENGTH}^2: dense head-major matmuls{unmeasured}"
 
 
 def _report(implementation, choice, reason, q_shape, kv_shape, dtype):

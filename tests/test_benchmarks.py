@@ -3,6 +3,7 @@
 import importlib.util
 import os
 import re
+import subprocess
 import types
 
 import numpy as np
@@ -50,12 +51,33 @@ def test_train_step_also_rejects_a_data_change():
 @pytest.mark.slow
 def test_device_check_smoke_run_on_cpu(capsys):
   """`--fast`: both train programs and the decode line on tiny configs; MFU and roofline printed."""
-  _load("device_check").main(["--fast"])
+  _load("device_check").main(["--fast", "--kernels", "tiled"])
   out = capsys.readouterr().out
-  assert re.search(r"^gpt2_small\s+[\d.]+\s+[\d,]+\s+[\d.]+\s+[\d.]+%", out, re.M), out
-  assert re.search(r"^wmt_base\s+[\d.]+", out, re.M), out
+  assert re.search(r"^gpt2_small/auto\s+[\d.]+\s+[\d,]+\s+[\d.]+\s+[\d.]+%", out, re.M), out
+  assert re.search(r"^wmt_base/tiled\s+[\d.]+", out, re.M), out
+  assert re.search(r"^gpt2_small: fastest kernel request (auto|tiled) .* auto [\d.]+ ms = [\d.]+x", out, re.M), out
   assert re.search(r"decode gpt2_tiny batch 1.*roofline", out), out
-  assert out.count("kernel: ") >= 3, out
+  assert re.search(r"kernel: attention: tiled .*model.attention_impl=tiled: requested", out), out
+  assert out.count("kernel: ") >= 5, out
+
+
+def test_revisions_ab_runs_both_revisions_alternately_and_reads_their_tables(tmp_path, capsys):
+  """revisions_ab.py: a table-printing command at HEAD and in the working tree, medians and the ratio."""
+  ab = _load("revisions_ab")
+  text = "gpt2: x\n\n          first call s  median s\nKV cache (prefill + decode)   1.500   0.2500  1,024  note\n"
+  assert ab.rows(text) == {"KV cache (prefill + decode)": [1.5, 0.25, 1024.0]}
+  script = tmp_path / "table.py"  # prints the revision's README size: the two trees differ if the tree is dirty
+  script.write_text("import os\nprint(f'row one    {os.path.getsize(\"README.md\")}    2.0')\n")
+  ab.main(["--before", "HEAD", "--rounds", "2", "--", str(script)])
+  out = capsys.readouterr().out
+  assert out.count(" before done") == 2 and out.count(" after done") == 2, out
+  head = len(subprocess.run(["git", "show", "HEAD:README.md"], capture_output=True, check=True,
+                            cwd=ROOT).stdout)
+  now = os.path.getsize(os.path.join(ROOT, "README.md"))
+  line = re.search(r"^row one\s+before\s+(\S+)\s+(\S+) \| after\s+(\S+)\s+(\S+) \| after/before (\S+)$", out, re.M)
+  assert line, out
+  assert float(line[1]) == pytest.approx(head, rel=1e-3) and float(line[3]) == pytest.approx(now, rel=1e-3)
+  assert float(line[5]) == pytest.approx(1.0)  # --column 1: the 2.0's
 
 
 def test_ab_function_traces_the_old_function_for_before(tmp_path, monkeypatch, capsys):

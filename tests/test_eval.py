@@ -146,6 +146,13 @@ def test_a_run_saved_by_an_older_version_still_evaluates(tiny_run, tmp_path, cap
   assert "optim.weight_decay=0.1 needs optim.optimizer=adamw" in err and "evaluating anyway" in err
   with pytest.raises(UserError, match="decode.beam_size=0 must be at least 1"):
     evaluate.load_run(str(workdir), log=lambda *a: None, overrides=["decode.beam_size=0"])
+  # A run trained on a TPU with splash attention evaluates here: the kernel is a speed setting.
+  saved["model"]["attention_impl"] = "splash"
+  (workdir / "config.json").write_text(json.dumps(saved))
+  capsys.readouterr()
+  cfg = evaluate.load_run(str(workdir), log=lambda *a: None)[0]
+  assert cfg.model.attention_impl == "auto"
+  assert "attention_impl=splash runs on TPU only" in capsys.readouterr().err
 
 
 def test_replaced_tokenizer_is_detected(tiny_run, tmp_path, capsys):

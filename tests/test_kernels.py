@@ -236,19 +236,28 @@ def test_cudnn_arguments_mean_the_reference_mask(causal):
 def test_the_dispatcher_picks_splash_and_cudnn_where_they_hold_and_says_why_not():
   from jaxformer import layers
   choose = layers.choose_attention
-  llama, gpt2 = (2, 256, 32, 128), (2, 256, 12, 64)
+  n = layers.TILED_MIN_LENGTH
+  llama, gpt2 = (2, n, 32, 128), (2, n, 12, 64)
   kv = lambda q, kvh: (q[0], q[1], kvh, q[3])  # pylint: disable=unnecessary-lambda-assignment
-  assert choose("auto", llama, kv(llama, 8), jnp.bfloat16, False, "tpu", causal=True) == ("splash", "auto on tpu")
+  choice, reason = choose("auto", llama, kv(llama, 8), jnp.bfloat16, False, "tpu", causal=True)
+  assert choice == "splash" and reason.startswith("auto on tpu")
   choice, reason = choose("auto", gpt2, kv(gpt2, 12), jnp.bfloat16, False, "tpu", causal=True)
   assert choice == "tiled" and "head_dim 64" in reason
   choice, reason = choose("splash", llama, kv(llama, 8), jnp.bfloat16, False, "cpu", causal=True, alibi=True)
   assert choice == "tiled" and "ALiBi" in reason
-  one = (2, 1, 32, 128)  # a decode step against a 256-slot cache
-  assert "KV cache" in choose("auto", one, kv(llama, 8), jnp.bfloat16, False, "tpu", slotted=True)[1]
+  one = (2, 1, 32, 128)  # a decode step against a 256-slot cache: requested, splash says why not
+  assert "KV cache" in choose("splash", one, kv((2, 256, 32, 128), 8), jnp.bfloat16, False, "tpu", slotted=True)[1]
   assert choose("auto", gpt2, kv(gpt2, 12), jnp.bfloat16, False, "gpu", causal=True)[0] == "cudnn"
   choice, reason = choose("auto", gpt2, kv(gpt2, 12), jnp.float32, False, "gpu", causal=True)
-  assert choice == "xla" and "float32" in reason
+  assert choice == "tiled" and "float32" in reason
   assert choose("cudnn", gpt2, kv(gpt2, 12), jnp.bfloat16, True, "gpu")[0] == "einsum"  # dropout: dense only
+  # Below the length threshold auto keeps each backend's dense path (splash/cuDNN untimed on a device).
+  short_llama, short_gpt2 = (2, 256, 32, 128), (2, 256, 12, 64)
+  choice, reason = choose("auto", short_llama, kv(short_llama, 8), jnp.bfloat16, False, "tpu", causal=True)
+  assert choice == "einsum" and "not timed on a TPU" in reason
+  choice, reason = choose("auto", short_gpt2, kv(short_gpt2, 12), jnp.bfloat16, False, "gpu", causal=True)
+  assert choice == "xla" and "not timed on a GPU" in reason
+  assert choose("auto", (1, 1, 32, 128), kv(llama, 8), jnp.bfloat16, False, "tpu", slotted=True)[0] == "einsum"
 
 
 def test_cudnn_rows_ok_only_for_one_sequence_then_padding():
