@@ -163,7 +163,47 @@ def base_run(tmp_path_factory):
                                                                          "train.checkpoint_every=2"]), base, **QUIET)
   lora_overrides = common + [f"train.init_from={base}", "train.lora_rank=4", "optim.learning_rate=2e-2",
                              "train.checkpoint_every=3"]
-  return tmp, base, lambda *extra: config_lib.load_config("gpt2_tiny", lora_overrides + list(extra))
+  make_cfg = lambda *extra: config_lib.load_config("gpt2_tiny", lora_overrides + list(extra))
+  make_cfg.overrides = lora_overrides
+  return tmp, base, make_cfg
+
+
+# Run in a process of its own with 4 simulated devices: prints the losses and the adapters' shards.
+_MESH_RUN = r"""
+import json, sys, jax
+from jaxformer import config, train
+cfg = config.load_config("gpt2_tiny", json.loads(sys.argv[1]))
+result = train.train_and_evaluate(cfg, sys.argv[2], log=lambda *a, **k: None)
+query = result["state"]["params"]["decoder"]["layer_0"]["self_attention"]["query"]
+base = result["lora_base"]["decoder"]["layer_0"]["self_attention"]["query"]["kernel"]
+shard = lambda x: [list(x.shape), list(x.addressable_shards[0].data.shape)]
+print(json.dumps({"devices": jax.device_count(), "lora_a": shard(query["lora_a"]), "lora_b": shard(query["lora_b"]),
+                  "base": shard(base)}))
+"""
+
+
+@pytest.mark.slow
+def test_lora_on_a_mesh_gives_the_one_device_losses_with_sharded_adapters(base_run):
+  """fsdp=2 x tensor=2 on 4 simulated devices (a separate process): adapters and the frozen base laid out
+  by the rule table (embed over fsdp, heads over tensor, the rank replicated), the 1-device losses."""
+  import subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
+  tmp, _, make_cfg = base_run
+  one = str(tmp / "one_device")
+  train.train_and_evaluate(make_cfg("train.num_steps=3"), one, **QUIET)
+  overrides = [*make_cfg.overrides, "train.num_steps=3", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+  out = subprocess.run([sys.executable, "-c", _MESH_RUN, json.dumps(overrides), str(tmp / "mesh")], env=env,
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  shards = json.loads(out.stdout.strip().splitlines()[-1])
+  assert shards["devices"] == 4
+  (d_model, r), (_, heads, kv) = shards["lora_a"][0], shards["lora_b"][0]
+  assert shards["lora_a"][1] == [d_model // 2, r]            # [embed/fsdp, lora]
+  assert shards["lora_b"][1] == [r, heads // 2, kv]          # [lora, heads/tensor, kv]
+  assert shards["base"][1] == [d_model // 2, heads // 2, kv]  # the frozen base, sharded like a trained one
+  one_losses, mesh_losses = _losses(one), _losses(str(tmp / "mesh"))
+  assert [s for s, _ in mesh_losses] == [s for s, _ in one_losses] == [1, 2, 3]
+  np.testing.assert_allclose([l for _, l in mesh_losses], [l for _, l in one_losses], rtol=1e-5)
 
 
 @pytest.mark.slow
