@@ -24,8 +24,6 @@ import socket
 import threading
 import time
 
-import jax
-
 # What the dead-peer line says about the run: the training loop sets "where" to a function
 # returning where its last complete checkpoint is, read from the disk at that moment; "exit" is
 # what this process tells the others when it ends ("done" after a clean run).
@@ -86,6 +84,7 @@ def watch_peers(timeout_s, period_s=1.0):
   normally says so first (atexit: "done", or "failed" unless the command set
   LOST_PROCESS["exit"] = "done"), so its silence is not a death. Processes other than 0 also turn
   JAX's abort on a lost coordinator into that line (`_catch_abort`)."""
+  import jax  # pylint: disable=g-import-not-at-top  (here: the abort handler's tests start no JAX)
   from jax._src import distributed  # pylint: disable=g-import-not-at-top
   client, me, n = distributed.global_state.client, jax.process_index(), jax.process_count()
   address = distributed.global_state.coordinator_address
