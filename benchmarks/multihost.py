@@ -5,9 +5,11 @@ bigger than CI's, and reports how they ended.
         --config gpt2_tiny --workdir /tmp/mh/run train.num_steps=200
     python benchmarks/multihost.py --processes 2 --kill 1 --at-step 100 --logdir /tmp/mh -- ...   # kill -9
     python benchmarks/multihost.py --processes 2 --sigterm 1 --at-step 100 --logdir /tmp/mh -- ...
+    python benchmarks/multihost.py --processes 2 --stop 0 --at-step 100 --logdir /tmp/mh -- ...     # SIGSTOP: a hung host
 
-Prints each process's exit code, the seconds from the kill or signal to the last exit, and
-process 0's `error:` line and last progress line. Every log stays in --logdir (p<i>.log).
+Prints each process's exit code, the seconds from the kill or signal to the last exit (a stopped
+process is killed once the others have ended), process 0's last progress line and every
+process's `error:` lines. Every log stays in --logdir (p<i>.log).
 """
 
 import argparse
@@ -29,6 +31,8 @@ def main(argv=None):
   parser.add_argument("--timeout", type=float, default=1800, help="hard limit for the whole job (s)")
   parser.add_argument("--kill", type=int, default=None, help="kill -9 this process at --at-step")
   parser.add_argument("--sigterm", type=int, default=None, help="SIGTERM this process at --at-step")
+  parser.add_argument("--stop", type=int, default=None, help="SIGSTOP this process at --at-step (it hangs, "
+                      "its sockets stay open, as a host cut off from the network)")
   parser.add_argument("--at-step", type=int, default=None, help="when process 0 has logged this step")
   parser.add_argument("--at-line", default=None, help="or when process 0 has logged a line matching this regex "
                       "(e.g. '^resumed from': during set-up)")
@@ -37,22 +41,30 @@ def main(argv=None):
   job = harness.launch(args.processes, args.train_args, args.logdir, devices=args.devices, timeout=args.timeout)
   t0 = time.time()
   at = args.at_line or (rf"^step {args.at_step}/" if args.at_step is not None else None)
-  if at is not None and (args.kill is not None or args.sigterm is not None):
+  actions = [(args.kill, signal.SIGKILL), (args.sigterm, signal.SIGTERM), (args.stop, signal.SIGSTOP)]
+  target, sig = next(((i, sig) for i, sig in actions if i is not None), (None, None))
+  if at is not None and target is not None:
     job.wait_for(at)
     t0 = time.time()
-    if args.kill is not None:
-      job.procs[args.kill].kill()
-    else:
-      job.signal(args.sigterm, signal.SIGTERM)
+    job.signal(target, sig)
+  if sig == signal.SIGSTOP:  # the others end by themselves; then the stopped one is killed
+    while any(p.poll() is None for i, p in enumerate(job.procs) if i != target):
+      job._check_deadline("waiting for the others to end")  # pylint: disable=protected-access
+      time.sleep(0.05)
+    elapsed = time.time() - t0
+    job.procs[target].kill()
   codes = job.wait()
+  elapsed = elapsed if sig == signal.SIGSTOP else time.time() - t0
   log = job.log(0)
   progress = re.findall(r"^step \d+/\d+ \|.*$", log, re.M)
-  errors = [line for line in log.splitlines() if line.startswith("error:")]
-  print(f"exit codes {codes}; {time.time() - t0:.1f} s from start/kill/signal to the last exit")
+  print(f"exit codes {codes}; {elapsed:.1f} s from start/kill/signal to the last exit"
+        + (" of the others" if sig == signal.SIGSTOP else ""))
   print("\n".join(re.findall(r"^.* received: saved a checkpoint at step \d+", log, re.M)))
   print("last progress: " + (progress[-1] if progress else "(none)"))
-  for line in errors:
-    print(line)
+  for i in range(len(job.procs)):
+    for line in job.log(i).splitlines():
+      if line.startswith("error:"):
+        print(f"process {i}: {line}")
   print(f"logs: {args.logdir}/p<i>.log")
 
 

@@ -5,16 +5,13 @@ multi-host start-up, and the peak FLOP/s that MFU divides by.
 nothing here knows about the training loop.
 """
 
-import atexit
 import ctypes
 import os
 import signal
-import sys
-import threading
-import time
 
 import jax
 
+from jaxformer import hosts
 from jaxformer import inspect as inspect_lib
 
 # Every XLA compilation in this process (seconds each), so a run can report how many
@@ -83,21 +80,22 @@ def maybe_initialize_distributed(multihost=False, host_timeout_s=30):
   touches a device.
 
   `host_timeout_s` (`train.host_timeout_s`): a process not heard from for that long is dead,
-  and the others stop with one line (`_watch_peers`); JAX's default heartbeat timeout, 100 s,
+  and the others stop with one line (`hosts.watch_peers`); JAX's default heartbeat timeout, 100 s,
   let a job whose host died run on for minutes and then abort with a C++ stack trace.
   """
   if not (multihost or os.environ.get("JAX_COORDINATOR_ADDRESS")):
     return False
   env = lambda k: int(os.environ[k]) if os.environ.get(k) else None
   # JAX's own heartbeat timeout, longer than ours: when it fires first, its client aborts the
-  # process with a C++ check failure and no word of ours (JAX 0.10.2 cannot call Python then:
-  # its missed_heartbeat_callback fails to convert the status, std::bad_cast).
+  # process with a C++ check failure (JAX 0.10.2 cannot call Python then: its
+  # missed_heartbeat_callback fails to convert the status, std::bad_cast); `hosts` catches that
+  # abort only when the coordinator is gone.
   jax_timeout = 2 * int(host_timeout_s) + 10
   jax.distributed.initialize(num_processes=env("JAX_NUM_PROCESSES"), process_id=env("JAX_PROCESS_ID"),
                              heartbeat_timeout_seconds=jax_timeout, shutdown_timeout_seconds=jax_timeout)
   if jax.process_count() > 1:
-    LOST_PROCESS["timeout_s"] = host_timeout_s
-    _watch_peers(host_timeout_s)
+    hosts.LOST_PROCESS["timeout_s"] = host_timeout_s
+    hosts.watch_peers(host_timeout_s)
   return True
 
 
@@ -118,78 +116,6 @@ def c_signal_handler(signum):
     return None
   pointer = ctypes.c_void_p.from_buffer(action).value
   return ctypes.CFUNCTYPE(None, ctypes.c_int)(pointer) if pointer and pointer > 1 else None
-
-
-def await_lost_process():
-  """Waits (at most two peer timeouts) for the peer watch to stop this process with its line: a
-  collective that failed because a process died (gloo: "Connection closed by peer") fails before
-  the watch has decided. Returns if it never does (the caller re-raises the collective's error)."""
-  if LOST_PROCESS.get("timeout_s"):
-    time.sleep(2 * LOST_PROCESS["timeout_s"] + 2)
-
-
-# What the dead-peer line says about the run: the training loop sets "where" to a function
-# returning where its last complete checkpoint is, read from the disk at that moment.
-LOST_PROCESS = {"where": lambda: "no checkpoint is known yet", "exit": "failed"}
-
-
-def _watch_peers(timeout_s, period_s=1.0):
-  """Starts a daemon thread that beats for this process in the coordination service's key-value
-  store every `period_s` and watches the others' beats: a process whose beat has not changed
-  for `timeout_s` (train.host_timeout_s, measured on this host's clock) is dead, and so is the
-  service if it stops answering. Then it prints one line naming the lost process and the last
-  complete checkpoint and exits at once (code 3): the job cannot go on, and the main thread may
-  be blocked in a collective that will never complete. A process that ends normally says so
-  first (atexit: "done", or "failed" unless the command set LOST_PROCESS["exit"] = "done"), so
-  its silence is not a death. Nothing of it runs in the training loop."""
-  from jax._src import distributed  # pylint: disable=g-import-not-at-top
-  client, me, n = distributed.global_state.client, jax.process_index(), jax.process_count()
-  key = lambda i: f"jaxformer/alive/{i}"
-
-  def lost(who):
-    try:
-      where = LOST_PROCESS["where"]()
-    except Exception as e:  # pylint: disable=broad-except
-      where = f"(could not list the checkpoints: {e})"
-    print(f"error: process {me}: {who}; {where}. Resume with the same command on every host.",
-          file=sys.stderr, flush=True)
-    os._exit(3)  # pylint: disable=protected-access
-
-  def beat_and_watch():
-    seen = {i: (None, time.monotonic()) for i in range(n) if i != me}  # last beat, when it changed
-    beat = 0
-    while True:
-      beat += 1
-      try:
-        client.key_value_set(key(me), str(beat), allow_overwrite=True)
-        for i, (value, since) in list(seen.items()):
-          try:
-            now = client.key_value_try_get(key(i))
-          except Exception as e:  # pylint: disable=broad-except
-            if "NOT_FOUND" not in str(e) and "not found" not in str(e).lower():
-              raise
-            now = None  # not started beating yet
-          if now == "done":
-            del seen[i]
-          elif now != value:
-            seen[i] = (now, time.monotonic())
-          elif time.monotonic() - since > timeout_s and now == "failed":  # and this one did not follow
-            lost(f"process {i} of {n} stopped with an error {timeout_s:g} s ago (its log says which)")
-          elif time.monotonic() - since > timeout_s:
-            lost(f"process {i} of {n} has not been heard from for {timeout_s:g} s (train.host_timeout_s): "
-                 "it died or its host was lost")
-      except Exception as e:  # pylint: disable=broad-except
-        lost(f"lost the job's coordination service on process 0 ({str(e).strip().splitlines()[0][:160]})")
-      time.sleep(period_s)
-
-  def done():
-    try:
-      client.key_value_set(key(me), LOST_PROCESS["exit"], allow_overwrite=True)
-    except Exception:  # pylint: disable=broad-except
-      pass
-
-  atexit.register(done)  # after JAX's own atexit shutdown was registered, so it runs before it
-  threading.Thread(target=beat_and_watch, name="jaxformer-peers", daemon=True).start()
 
 
 def peak_flops(cfg, log):

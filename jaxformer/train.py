@@ -29,6 +29,7 @@ from jaxformer import checkpoint as checkpoint_lib
 from jaxformer import config as config_lib
 from jaxformer import decode
 from jaxformer import evaluate as evaluate_lib
+from jaxformer import hosts
 from jaxformer import inspect as inspect_lib
 from jaxformer import layers
 from jaxformer import lease as lease_lib
@@ -310,6 +311,7 @@ def _take_lease(cfg, workdir, log):
 
 def _agreed_stops(stop, timed_out, lease):
   """(signal, timed out, lease-lost message or None), the same on every process: at a log step.
+  Multi-host, "timed out" is "first on process I" (whose clock passed train.max_minutes) or False.
 
   One process decides alone. A multi-host job does one small allgather (no device sync
   beyond the log step's own): a SIGINT on any process, train.max_minutes on any process's
@@ -325,7 +327,8 @@ def _agreed_stops(stop, timed_out, lease):
     stop.signal = f"{signal.Signals(int(every[first, 0])).name} (on process {first})"
   if every[:, 2].any():
     lost = lost or "process 0 lost the workdir lease to another run"
-  return stop.signal, bool(every[:, 1].any()), lost
+  timed = np.flatnonzero(every[:, 1])
+  return stop.signal, f"first on process {int(timed[0])}" if timed.size else False, lost
 
 
 def _last_complete(directory):
@@ -422,7 +425,7 @@ def _train_and_evaluate(cfg, workdir, log, lease, early_stop=None):
   step = int(state["step"])
   multi = jax.process_count() > 1
   stop = early_stop or _StopFlag()
-  runtime.LOST_PROCESS["where"] = lambda: _last_complete(ckpt.directory)
+  hosts.LOST_PROCESS["where"] = lambda: _last_complete(ckpt.directory)
   pending, tokens_since, flops_since, steps_since, t_last = [], 0, 0.0, 0, time.time()
   peak = runtime.peak_flops(cfg, log)
   deadline = time.time() + 60 * cfg.train.max_minutes if cfg.train.max_minutes else None
@@ -473,7 +476,7 @@ def _train_and_evaluate(cfg, workdir, log, lease, early_stop=None):
         if cfg.train.max_skipped_steps and skipped_in_row >= cfg.train.max_skipped_steps:
           raise UserError(_poisoned_message(skipped_in_row, step, cfg.train.max_skipped_steps, ckpt))
         _, timed_out, lost = _agreed_stops(stop, timed_out, lease)
-        last = last or timed_out
+        last = last or bool(timed_out)
         if lost:
           raise UserError(lost)
         result.update(summary)
@@ -502,7 +505,8 @@ def _train_and_evaluate(cfg, workdir, log, lease, early_stop=None):
         break
       if last:
         if step < cfg.train.num_steps:
-          log(f"train.max_minutes={cfg.train.max_minutes} reached at step {step}")
+          log(f"train.max_minutes={cfg.train.max_minutes} reached at step {step}"
+              + (f" ({timed_out})" if isinstance(timed_out, str) else ""))
         break
     ckpt.wait()  # a failed last save stops the run here, before any final evaluation
     if task.name == "translation" and cfg.train.final_eval_split and "interrupted" not in result:
@@ -522,7 +526,7 @@ def _train_and_evaluate(cfg, workdir, log, lease, early_stop=None):
         f"decoding, sampling; programs found in the compilation cache count with their load time)")
   except jax.errors.JaxRuntimeError:
     if multi:  # a collective failed (gloo: "Connection closed by peer"): the peer watch names the dead one
-      runtime.await_lost_process()
+      hosts.await_lost_process()
     raise
   except OSError as e:
     if not checkpoint_lib.is_no_space(e):
@@ -726,7 +730,7 @@ def main(argv):
   if jax.process_index() == 0:
     print(f"config {cfg.name} -> {workdir}\n{config_lib.to_json(cfg)}", flush=True)
   result = train_and_evaluate(cfg, workdir)
-  runtime.LOST_PROCESS["exit"] = "done"  # the other processes may outlive this one without alarm
+  hosts.LOST_PROCESS["exit"] = "done"  # the other processes may outlive this one without alarm
   return result
 
 

@@ -5,7 +5,8 @@ the coordinator on a free localhost port, JAX_NUM_PROCESSES, JAX_PROCESS_ID) and
 `devices` simulated CPU devices. Every process's output goes to `<logdir>/p<i>.log` (kept);
 `Job.wait` kills the whole job past its hard timeout, so a hang fails the caller instead
 of hanging it. With `audit=True` every process records the files it opens for writing
-(`fixtures/audit_writes/sitecustomize.py`) in `<logdir>/p<i>.writes`.
+(`fixtures/audit_writes/sitecustomize.py`) in `<logdir>/p<i>.writes`, and the rows of each
+training batch it read in `<logdir>/p<i>.rows`.
 
 Used by tests/test_multihost.py and benchmarks/multihost.py.
 """
@@ -50,6 +51,13 @@ class Job:
     with open(path) as f:
       return list(dict.fromkeys(line.rstrip("\n") for line in f))
 
+  def rows(self, i):
+    """{step: {global row index: sha1 of its tokens}} of the training batches process i read
+    (audit=True); the rows it left zero (another process's) are absent."""
+    import json  # pylint: disable=g-import-not-at-top
+    with open(os.path.join(self.logdir, f"p{i}.rows")) as f:
+      return {r["step"]: {int(k): v for k, v in r["rows"].items()} for r in map(json.loads, f)}
+
   def logs(self, tail=3000):
     return "\n".join(f"--- process {i} (rc {p.poll()}) ---\n{self.log(i)[-tail:]}"
                      for i, p in enumerate(self.procs))
@@ -91,11 +99,12 @@ class Job:
       raise AssertionError(f"hard timeout {what}: killed the job\n{self.logs()}")
 
 
-def launch(n, args, logdir, devices=2, timeout=300, env=None, audit=False, multihost=True):
+def launch(n, args, logdir, devices=2, timeout=300, env=None, audit=False, multihost=True, process_args=None):
   """Starts `python train.py [--multihost] *args` as `n` processes with `devices` CPU devices each.
 
   n=1 with multihost=False is the plain single-process command (the reference run).
   `env` adds or overrides environment variables (a test passes its compilation cache).
+  `process_args` {i: [override, ...]}: more arguments for process i alone (one host's clock ahead).
   """
   os.makedirs(logdir, exist_ok=True)
   port = free_port()
@@ -114,9 +123,11 @@ def launch(n, args, logdir, devices=2, timeout=300, env=None, audit=False, multi
                   JAX_NUM_PROCESSES=str(n), JAX_PROCESS_ID=str(i))
     if audit:
       penv["JAXFORMER_AUDIT_WRITES"] = os.path.join(logdir, f"p{i}.writes")
+      penv["JAXFORMER_AUDIT_ROWS"] = os.path.join(logdir, f"p{i}.rows")
     with open(os.path.join(logdir, f"p{i}.log"), "w") as out:
       procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"),
-                                     *(["--multihost"] if multihost else []), *args],
+                                     *(["--multihost"] if multihost else []), *args,
+                                     *(process_args or {}).get(i, [])],
                                     env=penv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
                                     start_new_session=True))
   return Job(procs, logdir, timeout)
