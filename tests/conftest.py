@@ -1,5 +1,7 @@
 """Shared fixtures: a JAX compilation cache and one short tiny_encdec training run."""
 
+import os
+
 import jax
 import pytest
 
@@ -15,8 +17,18 @@ TINY_OVERRIDES = ("data.synthetic_size=2000", "data.max_len=24", "train.num_step
 
 @pytest.fixture(scope="session", autouse=True)
 def compilation_cache(tmp_path_factory):
-  """Many tests build the same tiny models under fresh `jax.jit`s: compile each once."""
-  path = str(tmp_path_factory.mktemp("jax_cache"))
+  """Many tests build the same tiny models under fresh `jax.jit`s: compile each once.
+
+  One directory for the whole run: both pytest-xdist workers (each builds the session fixtures)
+  and the train.py/eval.py subprocesses tests start ($JAXFORMER_COMPILATION_CACHE, which also
+  keeps them out of the user's ~/.cache)."""
+  if os.environ.get("PYTEST_XDIST_WORKER"):  # workers' base temps are siblings: share their parent
+    path = os.path.join(str(tmp_path_factory.getbasetemp().parent), "jax_cache")
+    os.makedirs(path, exist_ok=True)
+  else:
+    path = str(tmp_path_factory.mktemp("jax_cache"))
+  if os.environ.get("JAXFORMER_COMPILATION_CACHE", "").lower() != "off":
+    os.environ["JAXFORMER_COMPILATION_CACHE"] = path
   old = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir",
                                               "jax_persistent_cache_min_compile_time_secs",
                                               "jax_persistent_cache_min_entry_size_bytes")}
