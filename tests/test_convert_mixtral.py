@@ -178,3 +178,18 @@ def test_moe_models_without_a_mixtral_equivalent_are_not_exported():
     convert.infer_model_type(gpt2_moe, "gpt2")
   with pytest.raises(UserError, match=r"model\.norm='layernorm' has no Hugging Face mixtral equivalent"):
     convert.infer_model_type(gpt2_moe)
+
+
+def test_a_hub_style_config_json_imports_as_the_fixture(mixtral, tmp_path):
+  """Mixtral-8x7B-v0.1's config.json has rope_theta at the top level, no rope_parameters, head_dim or
+  router_jitter_noise (transformers 4.x wrote it): the same model as the fixture's 5.x config."""
+  _, cfg, _, _, _, _, _, _ = mixtral
+
+  def hub_style(c):
+    c["rope_theta"] = c.pop("rope_parameters")["rope_theta"]
+    for key in ("head_dim", "router_jitter_noise", "dtype"):
+      c.pop(key)
+    c["torch_dtype"] = "bfloat16"
+  got = convert.config_from_hf(_edited(tmp_path, "hub", hub_style))[0]
+  assert config_lib.to_dict(got)["model"] == config_lib.to_dict(cfg)["model"]
+  assert got.optim == cfg.optim
