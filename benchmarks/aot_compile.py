@@ -24,7 +24,9 @@ the bytes it needed.
 """
 
 import argparse
+import functools
 import os
+import re
 import sys
 import time
 
@@ -32,7 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # pylint: disable=g-import-not-at-top
 from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
 
-from jaxformer import aot, config, inspect, sharding  # pylint: disable=g-import-not-at-top
+from jaxformer import aot, config, inspect, moe, sharding  # pylint: disable=g-import-not-at-top
 
 # chips -> topology shape of a slice (Cloud TPU's shapes).
 _3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8"}
@@ -78,9 +80,15 @@ def main(argv=None):
   parser.add_argument("overrides", nargs="*")
   parser.add_argument("--batch", type=int, required=True, help="global batch (sequences)")
   parser.add_argument("--seq-len", default=None, help="LEN, or SRC,TGT for translation (default: the recipe's)")
+  parser.add_argument("--show-ops", metavar="REGEX", default=None,
+                      help="print the compiled (per-device) HLO instructions matching REGEX, e.g. 'ragged-dot|sort'")
   args = parser.parse_args(argv)
   t = time.perf_counter()
   devices, hbm_gb = devices_for(args)
+  if args.platform == "tpu":
+    # MoE's grouped matmul: "auto" picks by jax.default_backend(), which is "cpu" here; the TPU
+    # program (and the plan, traced below) must use what a TPU runs: jax.lax.ragged_dot.
+    moe.grouped_matmul = functools.partial(moe.grouped_matmul, impl="ragged_dot")
   overrides = args.overrides if any(o.startswith("mesh.") for o in args.overrides) else ["mesh.data=1", "mesh.fsdp=-1",
                                                                                           *args.overrides]
   cfg = config.load_config(args.config, overrides)
@@ -113,6 +121,15 @@ def main(argv=None):
   print(plan_line + f"; plan / XLA = {plan['total'] / xla['total']:.2f}")
   if cost and "flops" in cost:
     print(f"XLA cost analysis: {cost['flops'] / 1e12:.2f} TFLOP per device per step")
+  if args.show_ops:  # the partitioned program's shapes: what each device holds and computes
+    seen = set()
+    for line in compiled.as_text().splitlines():
+      if re.search(args.show_ops, line):
+        op = re.sub(r"^\s*(ROOT )?%?[\w.\-]+ = ", "", line.strip())
+        op = re.sub(r"\s*(, )?metadata=\{.*", "", op)[:240]
+        if op not in seen:
+          seen.add(op)
+          print("  " + op)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out: GPT-2, Llama (1, 2, 3, 3.1) and Marian (OPUS-MT) <-> jaxformer workdirs.
+"""Hugging Face checkpoints in and out: GPT-2, Llama (1, 2, 3, 3.1), Mixtral and Marian (OPUS-MT) <-> jaxformer workdirs.
 
     python -m jaxformer.convert --from-hf HF_DIR --workdir W        # config.json + Orbax checkpoint + tokenizer
     python -m jaxformer.convert --to-hf W --out HF_DIR [--step N] [--dtype bfloat16]
@@ -6,7 +6,8 @@
 
 Import reads `config.json` (and `generation_config.json`), the `*.safetensors` weights (one
 file or a sharded index) one tensor at a time, maps each onto jaxformer's parameter tree
-(transposing torch's [out, in] Linear weights, splitting GPT-2's fused qkv), checks every
+(transposing torch's [out, in] Linear weights, splitting GPT-2's fused qkv, stacking Mixtral's
+per-expert weights into our [experts, in, out] ones), checks every
 shape against the model the config builds, and writes a params-only checkpoint at step 0
 (`checkpoint.save_params`) with the tokenizer: W then works with eval.py,
 `python -m jaxformer.generate` and `train.py --config W/config.json train.init_from=W`.
@@ -43,7 +44,7 @@ from jaxformer import lora
 from jaxformer import tokenizer as tokenizer_lib
 from jaxformer.errors import UserError, cli
 
-SUPPORTED = ("gpt2", "llama", "marian")
+SUPPORTED = ("gpt2", "llama", "mixtral", "marian")
 # HF buffers that are no weights: GPT-2's causal-mask buffers, rotary caches, Marian's fixed sinusoid.
 _IGNORED = re.compile(r"(\.attn\.(masked_)?bias$|rotary_emb\.inv_freq$|embed_positions\.weight$)")
 
@@ -127,6 +128,12 @@ def _linear(hf, ours, n_in=1):
   return Tensor(hf, (ours,), lambda a, shapes: (a.T.reshape(shapes[0]),), to_hf)
 
 
+def _expert(hf, ours, e):
+  """One expert's torch.nn.Linear weight [out, in] <-> row e of our stacked [experts, in, out]
+  parameter: `ours + (e,)` names the row (see `_get` / `read_params`)."""
+  return Tensor(hf, (ours + (e,),), lambda a, shapes: (a.T.reshape(shapes[0]),), lambda xs: xs[0].T)
+
+
 def _vector(hf, ours):
   """A bias or norm vector (our bias may be [heads, head_dim])."""
   return Tensor(hf, (ours,), lambda a, shapes: (a.reshape(shapes[0]),), lambda xs: xs[0].reshape(-1))
@@ -197,6 +204,7 @@ def gpt2_tensors(m):
 
 
 def llama_tensors(m):
+  """LlamaForCausalLM's names; with model.moe_experts, MixtralForCausalLM's (`mixtral_ffn`)."""
   t = [_same("model.embed_tokens.weight", ("embed", "embedding"))]
   for i in range(m.num_layers):
     h, ours = f"model.layers.{i}", ("decoder", f"layer_{i}")
@@ -204,6 +212,9 @@ def llama_tensors(m):
     t += _attention(f"{h}.self_attn", ours + ("self_attention",), ("q_proj", "k_proj", "v_proj", "o_proj"),
                     m.use_bias)
     t += _norm(f"{h}.post_attention_layernorm", ours + ("ffn_norm",), bias=False)
+    if m.moe_experts:
+      t += mixtral_ffn(m, h, ours + ("moe",))
+      continue
     for hf_name, our_name in (("gate_proj", "wi_gate"), ("up_proj", "wi_up"), ("down_proj", "wo")):
       t.append(_linear(f"{h}.mlp.{hf_name}.weight", ours + ("ffn", our_name, "kernel")))
       if m.use_bias:
@@ -211,6 +222,18 @@ def llama_tensors(m):
   t += _norm("model.norm", ("decoder", "final_norm"), bias=False)
   if not m.tie_output:
     t.append(_linear("lm_head.weight", ("logits", "kernel")))
+  return t
+
+
+def mixtral_ffn(m, h, ours):
+  """One Mixtral layer's sparse MoE block as the hub's checkpoints (and transformers' save_pretrained)
+  store it: `block_sparse_moe.gate.weight` [experts, d_model] (the router) and per expert
+  `experts.E.w1` / `w3` [d_ff, d_model] (gate / up) and `w2` [d_model, d_ff] (down). transformers
+  >= 5 fuses them in memory (`mlp.experts.gate_up_proj`) but converts to and from this layout."""
+  t = [_linear(f"{h}.block_sparse_moe.gate.weight", ours + ("router", "kernel"))]
+  for e in range(m.moe_experts):
+    for hf_name, our_name in (("w1", "wi_gate"), ("w2", "wo"), ("w3", "wi_up")):
+      t.append(_expert(f"{h}.block_sparse_moe.experts.{e}.{hf_name}.weight", ours + (our_name,), e))
   return t
 
 
@@ -242,7 +265,7 @@ def marian_tensors(m):
   return t
 
 
-TENSORS = {"gpt2": gpt2_tensors, "llama": llama_tensors, "marian": marian_tensors}
+TENSORS = {"gpt2": gpt2_tensors, "llama": llama_tensors, "mixtral": llama_tensors, "marian": marian_tensors}
 
 
 # ----------------------------------------------------------------------------- configs
@@ -337,6 +360,27 @@ def llama_config(hf, gen):
   return model, {"task": "lm", "add_bos": True}, {}
 
 
+def mixtral_config(hf, gen):
+  """Llama's fields plus the sparse MoE FFN: num_local_experts, num_experts_per_tok, router_aux_loss_coef."""
+  for key, ok, fix in (("sliding_window", None, "attention (full causal attention only: sliding_window null)"),
+                       ("router_jitter_noise", 0.0, "MoE router (no jitter noise: set it to 0, which only HF's "
+                                                    "training uses)")):
+    if (hf.get(key) or ok) != ok:
+      _unsupported(key, hf.get(key), fix)
+  for key in ("attention_bias", "mlp_bias"):  # Mixtral has neither; refuse a variant that sets them
+    if hf.get(key):
+      _unsupported(key, hf[key], "Mixtral (no biases)")
+  model, data, decode = llama_config(hf, gen)
+  experts, top_k = hf.get("num_local_experts", 8), hf.get("num_experts_per_tok", 2)
+  if not 1 <= top_k <= experts:
+    _unsupported("num_experts_per_tok", top_k, f"MoE router (1 to num_local_experts={experts})")
+  model.update(moe_experts=experts, moe_top_k=top_k, moe_every=1, moe_shared_experts=0, moe_capacity_factor=0.0)
+  # HF adds coef x its load-balancing loss only with output_router_logits; jaxformer always adds
+  # optim.moe_aux_loss x its own (per layer, then averaged): set it to 0 for none.
+  optim = dict(moe_aux_loss=float(hf.get("router_aux_loss_coef", 0.001)), moe_z_loss=0.0)
+  return model, data, decode, optim
+
+
 def marian_config(hf, gen):
   for enc, dec in (("encoder_attention_heads", "decoder_attention_heads"), ("encoder_ffn_dim", "decoder_ffn_dim")):
     if hf.get(enc) != hf.get(dec):
@@ -363,14 +407,14 @@ def marian_config(hf, gen):
   return model, {"task": "translation"}, decode
 
 
-CONFIGS = {"gpt2": gpt2_config, "llama": llama_config, "marian": marian_config}
+CONFIGS = {"gpt2": gpt2_config, "llama": llama_config, "mixtral": mixtral_config, "marian": marian_config}
 
 
 def hf_model_type(hf, where):
   kind = hf.get("model_type")
   if kind not in SUPPORTED:
     raise UserError(f"{where}: model_type {kind!r} is not supported; jaxformer.convert supports "
-                    f"{', '.join(SUPPORTED)} (GPT-2, Llama 1/2/3/3.1, Marian / OPUS-MT)")
+                    f"{', '.join(SUPPORTED)} (GPT-2, Llama 1/2/3/3.1, Mixtral, Marian / OPUS-MT)")
   return kind
 
 
@@ -407,7 +451,7 @@ def config_from_hf(hf_dir, ids=None, tokenizer_source=None):
   kind = hf_model_type(hf, os.path.join(hf_dir, "config.json"))
   gen_path = os.path.join(hf_dir, "generation_config.json")
   gen = _read_json(gen_path, "") if os.path.isfile(gen_path) else {}
-  model, data, decode = CONFIGS[kind](hf, gen)
+  model, data, decode, *optim_fields = CONFIGS[kind](hf, gen)  # (Mixtral: its MoE loss coefficients too)
   _resolve_ids(model, kind, ids, os.path.join(hf_dir, "config.json"))
   if kind == "marian":  # the translation recipe's defaults suit fine-tuning
     optim = dict(optimizer="adamw", schedule="constant", learning_rate=3e-5, warmup_steps=0, b2=0.999, eps=1e-8,
@@ -415,8 +459,9 @@ def config_from_hf(hf_dir, ids=None, tokenizer_source=None):
   else:
     optim = dict(optimizer="adamw", schedule="constant", learning_rate=3e-5, warmup_steps=0, b2=0.95, eps=1e-8,
                  grad_clip=1.0, label_smoothing=0.0)
+  optim.update(*optim_fields)
   tokenizer = {"gpt2": "hf", "marian": "marian"}.get(kind)
-  if kind == "llama":
+  if kind in ("llama", "mixtral"):
     source = tokenizer_source or hf_dir
     spm = source.endswith(".model") if os.path.isfile(source) else os.path.isfile(os.path.join(source, "tokenizer.model"))
     tokenizer = "sentencepiece" if spm else "hf"
@@ -457,13 +502,17 @@ def _leaf_paths(tree, prefix=()):
 
 def read_params(reader, cfg, kind, where):
   """The params tree from an HF checkpoint, checked against the shapes the config builds."""
+  fused = next((n for n in reader.location if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))), None)
+  if fused:
+    raise UserError(f"{where} holds {fused}: transformers' in-memory fused expert layout; jaxformer reads the "
+                    "hub's per-expert layout (block_sparse_moe.experts.E.w1/w2/w3), which save_pretrained writes")
   _, shapes = evaluate.abstract_params(cfg)
   params, used = {}, set()
   for t in TENSORS[kind](cfg.model):
     name = next((n for n in (t.hf,) + t.aliases if n in reader.location), None)
     if name is None:
       raise UserError(f"{where} has no tensor {t.hf} but config.json describes it (a mismatched config.json?)")
-    want = [tuple(_get(shapes, p).shape) for p in t.ours]
+    want = [_shape(shapes, p) for p in t.ours]
     have = reader.shape(name)
     expected = t.to_hf(tuple(np.zeros(s, np.float32) for s in want)).shape  # what HF's shape must be
     if tuple(have) != tuple(expected):
@@ -471,7 +520,12 @@ def read_params(reader, cfg, kind, where):
                       "(mismatched config.json and weights)")
     for path, value in zip(t.ours, t.to_ours(reader.get(name), want)):
       # Kept in the checkpoint's own dtype (bf16 for Llama): restoring widens it to float32 exactly.
-      _set(params, path, np.ascontiguousarray(value))
+      if isinstance(path[-1], int):  # one expert's row of a stacked [experts, ...] parameter
+        if not _has(params, path[:-1]):
+          _set(params, path[:-1], np.empty(_get(shapes, path[:-1]).shape, value.dtype))
+        _get(params, path[:-1])[path[-1]] = value
+      else:
+        _set(params, path, np.ascontiguousarray(value))
     used.update((t.hf,) + t.aliases)
   extra = [n for n in reader.location if n not in used and not _IGNORED.search(n)]
   if extra:
@@ -481,6 +535,13 @@ def read_params(reader, cfg, kind, where):
   if missing:  # a mapping bug, not the user's: say so plainly
     raise RuntimeError(f"jaxformer.convert filled no value for {'/'.join(missing[0])}")
   return params
+
+
+def _shape(shapes, path):
+  """The shape a tensor's parameter path has in the abstract tree; an int last key is one expert's row."""
+  if isinstance(path[-1], int):
+    return tuple(_get(shapes, path[:-1]).shape[1:])
+  return tuple(_get(shapes, path).shape)
 
 
 def _has(tree, path):
@@ -603,14 +664,20 @@ def infer_model_type(cfg, recorded=None):
       "marian": dict(arch="encoder_decoder", norm="layernorm", norm_position="post", position="sinusoidal",
                      sinusoidal_layout="marian", use_bias=True, norm_eps=1e-5, logits_bias=True),
   }
-  candidates = [recorded] if recorded in wants else [k for k, w in wants.items() if w["arch"] == m.arch]
+  wants["mixtral"] = dict(wants["llama"], use_bias=False, moe_every=1, moe_shared_experts=0)
+  for kind in ("gpt2", "llama"):
+    wants[kind]["moe_experts"] = 0
+  if recorded in ("llama", "mixtral"):  # a Llama with MoE layers added (or the reverse) goes by its FFN
+    recorded = "mixtral" if m.moe_experts else "llama"
+  candidates = [recorded] if recorded in wants else [
+      k for k, w in wants.items() if w["arch"] == m.arch and (k == "mixtral") == (m.moe_experts > 0)]
   for kind in candidates:
     bad = [(f, v) for f, v in wants[kind].items() if getattr(m, f) != v]
     if kind == "gpt2" and m.activation not in ("gelu", "gelu_exact", "relu", "silu"):
       bad.append(("activation", "gelu"))
     if kind == "marian" and m.activation == "swiglu":
       bad.append(("activation", "silu"))
-    if kind == "llama" and m.rope_scaling == "ntk":
+    if kind in ("llama", "mixtral") and m.rope_scaling == "ntk":
       bad.append(("rope_scaling", "none, llama3 or yarn"))
     if not bad:
       return kind
@@ -635,7 +702,7 @@ def hf_config_for(cfg, kind, base=None):
               eos_token_id=m.eos_id)
     if m.num_kv_heads not in (None, m.num_heads) or m.head_dim not in (None, m.d_model // m.num_heads):
       raise UserError("GPT-2 has plain multi-head attention: model.num_kv_heads and model.head_dim must be unset")
-  elif kind == "llama":
+  elif kind in ("llama", "mixtral"):
     rope = {"rope_type": "default", "rope_theta": m.rope_theta}
     if m.rope_scaling == "llama3":
       rope.update(rope_type="llama3", factor=m.rope_scaling_factor, low_freq_factor=m.rope_low_freq_factor,
@@ -657,6 +724,12 @@ def hf_config_for(cfg, kind, base=None):
               tie_word_embeddings=m.tie_output, rope_parameters=rope, bos_token_id=m.bos_id,
               eos_token_id=hf.get("eos_token_id") if _eos(hf) == m.eos_id else m.eos_id,
               pad_token_id=hf.get("pad_token_id"))
+    if kind == "mixtral":  # MixtralConfig has no attention_bias / mlp_bias fields
+      for key in ("attention_bias", "mlp_bias"):
+        hf.pop(key, None)
+      hf.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=m.moe_experts,
+                num_experts_per_tok=m.moe_top_k, router_aux_loss_coef=cfg.optim.moe_aux_loss, sliding_window=None,
+                router_jitter_noise=0.0, head_dim=m.head_dim)  # null (d_model / heads) as the hub's configs have it
   else:
     act = {"gelu": "gelu_new", "gelu_exact": "gelu", "relu": "relu", "silu": "swish"}[m.activation]
     hf.update(architectures=["MarianMTModel"], model_type="marian", vocab_size=m.vocab_size,
@@ -686,7 +759,7 @@ def export_tokenizer(cfg, kind, workdir, out):
     token = tok.tok.id_to_token
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": token(cfg.model.bos_id),
               "eos_token": token(cfg.model.eos_id)}
-  elif isinstance(tok, tokenizer_lib.SentencePieceTokenizer) and kind == "llama":
+  elif isinstance(tok, tokenizer_lib.SentencePieceTokenizer) and kind in ("llama", "mixtral"):
     shutil.copyfile(path, os.path.join(out, "tokenizer.model"))
     config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": cfg.data.add_bos, "add_eos_token": False}
   else:
@@ -759,7 +832,10 @@ def to_hf(workdir, out, step=None, dtype="float32", max_shard_mb=2048, log=print
     for t in TENSORS[kind](cfg.model):
       value = t.to_hf(tuple(np.asarray(_get(params, p)) for p in t.ours))
       for p in t.ours:  # free each parameter once converted: the peak stays near one copy of the model
-        _set(params, p, None)
+        if not isinstance(p[-1], int):
+          _set(params, p, None)
+        elif p[-1] == len(_get(params, p[:-1])) - 1:  # a stacked expert parameter: with its last row
+          _set(params, p[:-1], None)
       count[0] += value.size
       yield t.hf, np.ascontiguousarray(value).astype(np_dtype, copy=False)
 
@@ -873,7 +949,7 @@ def generation_config(cfg, kind, workdir):
 
 
 def parse_args(argv):
-  parser = argparse.ArgumentParser(description="Convert Hugging Face checkpoints (GPT-2, Llama, Marian) to and "
+  parser = argparse.ArgumentParser(description="Convert Hugging Face checkpoints (GPT-2, Llama, Mixtral, Marian) to and "
                                                "from jaxformer workdirs.")
   group = parser.add_mutually_exclusive_group(required=True)
   group.add_argument("--from-hf", metavar="HF_DIR", help="a local Hugging Face model folder to import")

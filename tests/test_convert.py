@@ -252,7 +252,7 @@ def edited_copy(tmp_path, name, edit):
 
 def test_unsupported_architectures_and_mismatched_files_are_one_line_errors(tmp_path, capsys):
   w = str(tmp_path / "w")
-  assert_one_line_error(capsys, r"model_type 'bert' is not supported.*gpt2, llama, marian",
+  assert_one_line_error(capsys, r"model_type 'bert' is not supported.*gpt2, llama, mixtral, marian",
                         "--from-hf", edited_copy(tmp_path, "gpt2", lambda c: c.update(model_type="bert")),
                         "--workdir", w)
   assert_one_line_error(capsys, r"has no tensor transformer\.h\.2\.ln_1\.weight",
