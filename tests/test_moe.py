@@ -114,6 +114,8 @@ def test_router_statistics_match_their_formulas():
     (("model.moe_every=2", "model.scan_layers=true"), "moe_every=1"),
     (("model.moe_every=3",), "moe_every=3"),
     (("mesh.expert=3",), "mesh.expert=3"),
+    (("model.moe_dispatch=all_to_all", "model.moe_capacity_factor=1.25"), "moe_capacity_factor=0"),
+    (("model.moe_dispatch=shard_map",), "gspmd, all_to_all"),
 ])
 def test_bad_moe_settings_are_one_line_errors(overrides, message):
   with pytest.raises(UserError, match=message) as err:
