@@ -74,6 +74,7 @@ class ModelConfig:
   moe_shared_experts: int = 0       # experts of d_ff every token also passes through (DeepSeek), as one FFN
   moe_every: int = 1                # layers i with i % moe_every == moe_every - 1 are MoE (2: every other layer)
   moe_capacity_factor: float = 0.0  # 0: dropless (ragged_dot); c > 0: ceil(c x tokens x top_k / experts) per expert
+  moe_dispatch: str = "gspmd"       # expert parallelism: gspmd (the compiler places it) | all_to_all (shard_map)
 
   @property
   def kv_heads(self) -> int:
@@ -340,7 +341,8 @@ def _validate(cfg):
              "attention_impl": ("auto", "einsum", "tiled", "xla", "cudnn", "splash"),
              "sinusoidal_layout": ("interleaved", "concat", "marian"),
              "kernel_init": ("xavier_uniform", "normal"),
-             "remat": ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")}
+             "remat": ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"),
+             "moe_dispatch": ("gspmd", "all_to_all")}
   for field, allowed in choices.items():
     if getattr(m, field) not in allowed:
       raise UserError(f"model.{field}={getattr(m, field)!r}: choose one of {', '.join(allowed)}")
@@ -538,6 +540,9 @@ def _validate_moe(cfg):
   if cfg.train.objective == "dpo":
     raise UserError("train.objective=dpo is not supported with model.moe_experts > 0 yet (the preference loss "
                     "adds no router losses): fine-tune a dense model, or use train.objective=lm")
+  if m.moe_dispatch == "all_to_all" and m.moe_capacity_factor > 0:
+    raise UserError(f"model.moe_dispatch=all_to_all is dropless: it needs model.moe_capacity_factor=0 "
+                    f"(got {m.moe_capacity_factor}); use model.moe_dispatch=gspmd for capacity mode")
   if cfg.mesh.expert > 1 and m.moe_experts % cfg.mesh.expert:
     raise UserError(f"model.moe_experts={m.moe_experts} must be a multiple of mesh.expert={cfg.mesh.expert}")
 

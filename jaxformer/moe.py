@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
-from jaxformer import layers
+from jaxformer import layers, sharding
 from jaxformer.config import ModelConfig
 
 # The expert FFN's weights, [experts, d_model, d_ff] / [experts, d_ff, d_model]; `inspect` counts
@@ -133,7 +133,7 @@ class MoEFeedForward(nn.Module):
     w_out = self.param("wo", init_out, (num_e, f, d), jnp.float32)
     dtype = jnp.dtype(cfg.matmul_dtype if cfg.matmul_dtype != "float32" else cfg.dtype)
 
-    def ffn(h, matmul):
+    def ffn(h, matmul, w_in=w_in, w_out=w_out):
       """The experts' FFN on rows h through `matmul(rows, weight [experts, in, out])`."""
       hidden = [matmul(h, w.astype(dtype)) for w in w_in]
       return matmul(_activation(cfg, hidden).astype(dtype), w_out.astype(dtype))
@@ -148,6 +148,9 @@ class MoEFeedForward(nn.Module):
       out = ffn(buffer, lambda h, w: jnp.einsum("ecd,edf->ecf", h, w, preferred_element_type=jnp.float32))
       copies = out.reshape(num_e * cap, d).at[slot.reshape(-1)].get(mode="fill", fill_value=0)
       weights = weights * keep
+    elif cfg.moe_dispatch == "all_to_all" and _expert_axis_size() > 1:
+      copies = all_to_all_dispatch(x.astype(dtype), top_e.reshape(batch, length, k), w_in, w_out, ffn)
+      copies = copies.reshape(n * k, d)
     else:
       flat_e = top_e.reshape(-1)  # [n * k]
       order = jnp.argsort(flat_e, stable=True)
@@ -163,6 +166,55 @@ class MoEFeedForward(nn.Module):
       shared = dataclasses.replace(cfg, d_ff=cfg.moe_shared_experts * cfg.d_ff, use_bias=False)
       y = y + layers.FeedForward(shared, name="shared")(x, deterministic)
     return y
+
+
+def _expert_axis_size():
+  """The size of the current mesh's `expert` axis (1 without a mesh: init, decoding)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return mesh.shape.get("expert", 1) if mesh.axis_names else 1
+
+
+def all_to_all_dispatch(x, top_e, w_in, w_out, ffn):
+  """Dropless expert parallelism by explicit token exchange (model.moe_dispatch=all_to_all).
+
+  x [batch, length, d_model] and top_e [batch, length, top_k] (batch over data x fsdp x expert,
+  as sharding.RULES splits it), the expert weights [experts, ...] (over `expert`) -> each
+  token copy's expert output [batch, length, top_k, d_model], in `shard_map` over the mesh:
+  each device writes its n' tokens' copies into a [experts, n', d_model] buffer (an expert
+  gets at most one copy per token, so n' rows never drop one), `jax.lax.all_to_all` over the
+  `expert` axis sends every expert's rows to the device that holds it, that device runs its
+  experts on what it received from all X devices ([experts / X, X x n', d_model], one batched
+  matmul), and a second all_to_all sends the results back. The buffers are static: X x n' x
+  experts / X rows per device where top_k x n' are real, so both the exchange and the expert
+  matmul carry experts / top_k times the active rows (the price of no dropping without
+  ragged all-to-all). Weights sharded over fsdp or tensor are gathered at the shard_map boundary.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  batch_axes = tuple(a for a in dict(sharding.RULES)["batch"] if a in mesh.axis_names)
+  num_e, x_size = w_out.shape[0], mesh.shape["expert"]
+
+  def local(x, top_e, w_in, w_out):
+    b, t, d = x.shape
+    n, k = b * t, top_e.shape[-1]
+    top = top_e.reshape(n, k)
+    rank, _ = capacity_slots(top, num_e, n)  # every copy ranks below n at its expert
+    slot = (top * n + rank).reshape(-1)  # [n * k] rows of the [experts * n] buffer
+    rows = jnp.broadcast_to(x.reshape(n, 1, d), (n, k, d)).reshape(n * k, d)
+    buffer = jnp.zeros((num_e * n, d), x.dtype).at[slot].set(rows, unique_indices=True)
+    # [X destination, experts / X, n, d] -> [X source, experts / X, n, d]
+    received = jax.lax.all_to_all(buffer.reshape(x_size, num_e // x_size, n, d), "expert", 0, 0, tiled=True)
+    h = received.transpose(1, 0, 2, 3).reshape(num_e // x_size, x_size * n, d)
+    out = ffn(h, lambda h, w: jnp.einsum("ecd,edf->ecf", h, w, preferred_element_type=jnp.float32),
+              w_in=w_in, w_out=w_out)
+    out = out.reshape(num_e // x_size, x_size, n, d).transpose(1, 0, 2, 3)
+    back = jax.lax.all_to_all(out, "expert", 0, 0, tiled=True)  # [X, experts / X, n, d]: experts in order
+    return back.reshape(num_e * n, d)[slot].reshape(b, t, k, d)
+
+  spec = jax.sharding.PartitionSpec(batch_axes)
+  expert_spec = jax.sharding.PartitionSpec("expert")
+  fn = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, [expert_spec] * len(w_in), expert_spec),
+                     out_specs=spec)
+  return fn(x, top_e, list(w_in), w_out)
 
 
 def sow_router_statistics(module, logits, top_e, probs):

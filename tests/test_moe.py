@@ -40,13 +40,16 @@ def test_dropless_equals_all_experts_dense_reference_outputs_and_gradients(overr
   cfg = _cfg(*overrides)
   x = jax.random.normal(jax.random.key(1), (3, 7, cfg.d_model))
   params = _init(cfg, x)
-  y, _ = _apply(cfg, params, x)
-  ref = moe.dense_reference(params, cfg, x)
+  # Outputs, and gradients of a loss that weights each output differently, w.r.t. every parameter
+  # and x: one compile for the layer, one for the reference.
+  w = jax.random.normal(jax.random.key(2), x.shape)
+
+  def grads_of(fn):
+    return jax.jit(jax.value_and_grad(lambda p, x: (lambda y: (jnp.sum(y * w), y))(fn(p, x)), argnums=(0, 1),
+                                      has_aux=True))(params, x)
+  (_, y), grads = grads_of(lambda p, x: _apply(cfg, p, x)[0])
+  (_, ref), ref_grads = grads_of(lambda p, x: moe.dense_reference(p, cfg, x))
   np.testing.assert_allclose(y, ref, atol=1e-5, rtol=1e-5)
-  # Gradients of a loss that weights each output differently, w.r.t. every parameter and x.
-  w = jax.random.normal(jax.random.key(2), y.shape)
-  grads = jax.jit(jax.grad(lambda p, x: jnp.sum(_apply(cfg, p, x)[0] * w), argnums=(0, 1)))(params, x)
-  ref_grads = jax.jit(jax.grad(lambda p, x: jnp.sum(moe.dense_reference(p, cfg, x) * w), argnums=(0, 1)))(params, x)
   for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
     np.testing.assert_allclose(g, r, atol=1e-5, rtol=1e-5)
   assert float(jnp.abs(grads[0]["router"]["kernel"]).max()) > 0  # the router learns through the weights
@@ -114,6 +117,8 @@ def test_router_statistics_match_their_formulas():
     (("model.moe_every=2", "model.scan_layers=true"), "moe_every=1"),
     (("model.moe_every=3",), "moe_every=3"),
     (("mesh.expert=3",), "mesh.expert=3"),
+    (("model.moe_dispatch=all_to_all", "model.moe_capacity_factor=1.25"), "moe_capacity_factor=0"),
+    (("model.moe_dispatch=shard_map",), "gspmd, all_to_all"),
 ])
 def test_bad_moe_settings_are_one_line_errors(overrides, message):
   with pytest.raises(UserError, match=message) as err:
@@ -130,28 +135,34 @@ def _lm_loss(cfg, params, ids, coefs=(0.01, 0.001)):
   return tasks.LMTask.loss(model, params, batch, {}, True, 0.0, coefs)
 
 
+def _loss_and_grad(cfg, params, ids):
+  """(_lm_loss's outputs, d loss / d params) from one compile."""
+  (_, out), grads = jax.jit(jax.value_and_grad(lambda p: (lambda o: (o[0], o))(_lm_loss(cfg, p, ids)),
+                                               has_aux=True))(params)
+  return out, grads
+
+
 def test_scan_remat_and_interleaving_give_the_unrolled_loss():
   cfg = _cfg("model.num_layers=2")
   ids = jax.random.randint(jax.random.key(6), (2, 9), 0, cfg.vocab_size)
   params = nn.unbox(model_lib.build_model(cfg).init(jax.random.key(0), ids[:, :-1]))["params"]
   assert "moe" in params["decoder"]["layer_0"] and "moe" in params["decoder"]["layer_1"]
-  loss, nll, weight, stats = _lm_loss(cfg, params, ids)
+  (loss, nll, weight, stats), g_ref_unrolled = _loss_and_grad(cfg, params, ids)
   # The aux losses enter per token: loss - nll = (0.01 load balancing + 0.001 z) x tokens.
   np.testing.assert_allclose(loss - nll, (0.01 * stats["load_balancing"] + 0.001 * stats["z_loss"]) * weight,
                              rtol=1e-4)
-  g_ref_unrolled = jax.jit(jax.grad(lambda p: _lm_loss(cfg, p, ids)[0]))(params)
   for change in ({"scan_layers": True}, {"scan_layers": True, "remat": "full"}):
     other = dataclasses.replace(cfg, **change)
     scanned = model_lib.convert_layers(params, other.scan_layers)
-    got = _lm_loss(other, scanned, ids)
+    if change.get("remat") != "full":
+      got = _lm_loss(other, scanned, ids)
+    else:
+      got, g = _loss_and_grad(other, scanned, ids)
+      g_ref = model_lib.convert_layers(g_ref_unrolled, other.scan_layers)
+      for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
     np.testing.assert_allclose(got[0], loss, rtol=1e-6)
     np.testing.assert_allclose(got[3]["expert_fraction"], stats["expert_fraction"], rtol=1e-6)
-    if change.get("remat") != "full":
-      continue
-    g = jax.jit(jax.grad(lambda p: _lm_loss(other, p, ids)[0]))(scanned)
-    g_ref = model_lib.convert_layers(g_ref_unrolled, other.scan_layers)
-    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
-      np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
   # moe_every=2: layer 0 dense, layer 1 MoE.
   every = _cfg("model.num_layers=2", "model.moe_every=2")
   p2 = nn.unbox(model_lib.build_model(every).init(jax.random.key(0), ids[:, :-1]))["params"]["decoder"]
