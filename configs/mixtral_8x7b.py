@@ -11,4 +11,7 @@ def get_config():
       "model.num_kv_heads": 8, "model.d_ff": 14336, "model.norm_eps": 1e-5, "model.rope_theta": 1e6,
       "model.max_len": 32768, "model.moe_experts": 8, "model.moe_top_k": 2,
       "optim.moe_aux_loss": 0.02,  # HF MixtralConfig's router_aux_loss_coef
+      # Under mesh.expert > 1 the compiler's own placement (gspmd) runs every expert's rows on every chip:
+      # 100 GiB per v5p chip at 32 x 4,096, over budget; the all-to-all dispatch 46 GiB (BENCHMARKS.md).
+      "model.moe_dispatch": "all_to_all",
       "data.block_size": 4096, "data.batch_size": 512})

