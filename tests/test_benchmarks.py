@@ -51,14 +51,18 @@ def test_train_step_also_rejects_a_data_change():
 @pytest.mark.slow
 def test_device_check_smoke_run_on_cpu(capsys):
   """`--fast`: both train programs and the decode line on tiny configs; MFU and roofline printed."""
-  _load("device_check").main(["--fast", "--kernels", "tiled"])
+  # Kernels beside auto: tiled for the LM only (--kernels applies to both programs; one extra compile
+  # is enough to check the side-by-side table and its verdict line).
+  device_check = _load("device_check")
+  device_check.FAST = {"gpt2_small": device_check.FAST["gpt2_small"]}
+  device_check.main(["--fast", "--kernels", "tiled"])
   out = capsys.readouterr().out
   assert re.search(r"^gpt2_small/auto\s+[\d.]+\s+[\d,]+\s+[\d.]+\s+[\d.]+%", out, re.M), out
-  assert re.search(r"^wmt_base/tiled\s+[\d.]+", out, re.M), out
+  assert re.search(r"^gpt2_small/tiled\s+[\d.]+", out, re.M), out
   assert re.search(r"^gpt2_small: fastest kernel request (auto|tiled) .* auto [\d.]+ ms = [\d.]+x", out, re.M), out
   assert re.search(r"decode gpt2_tiny batch 1.*roofline", out), out
   assert re.search(r"kernel: attention: tiled .*model.attention_impl=tiled: requested", out), out
-  assert out.count("kernel: ") >= 5, out
+  assert out.count("kernel: ") >= 3, out
 
 
 def test_revisions_ab_runs_both_revisions_alternately_and_reads_their_tables(tmp_path, capsys):

@@ -316,23 +316,20 @@ def test_url_workdirs_are_refused_in_one_line(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_translation_on_2_processes_gives_the_1_process_losses(tiny_run, tmp_path, compilation_cache):
-  """The reference is conftest's `tiny_run` (the same command in the test process, 1 process, its own
-  devices), which the suite trains anyway: its log steps 4 and 8, each the mean of 4 steps."""
-  from conftest import TINY_OVERRIDES
-  workdir = tmp_path / "run"
-  job = harness.launch(2, ["--config", "tiny_encdec", "--workdir", str(workdir), *TINY_OVERRIDES,
-                           "train.checkpoint_every=1000"], str(tmp_path / "logs"), devices=2,
-                       env={"JAX_COMPILATION_CACHE_DIR": compilation_cache})  # (checkpoints change no loss)
+def test_translation_on_2_processes_gives_the_1_process_losses_step_for_step(tmp_path, compilation_cache):
+  """The reference is the same command in the test process (1 process, 1 device: tests/test_sharding.py
+  shows 1 device = 8-device meshes), which reuses conftest's `tiny_run` compiles; every step logged."""
+  from conftest import TINY_OVERRIDES, tiny_config
+  from jaxformer import train
+  extra = ["train.log_every=1", "train.checkpoint_every=1000"]  # (checkpoints change no loss)
+  train.train_and_evaluate(tiny_config(*extra), str(tmp_path / "ref"), log=lambda *a, **k: None)
+  job = harness.launch(2, ["--config", "tiny_encdec", "--workdir", str(tmp_path / "run"), *TINY_OVERRIDES, *extra],
+                       str(tmp_path / "logs"), devices=2, env={"JAX_COMPILATION_CACHE_DIR": compilation_cache})
   assert job.wait() == [0, 0], job.logs()
-  with open(os.path.join(tiny_run[0], "metrics.jsonl")) as f:
-    want = {}
-    for record in map(json.loads, f):
-      if "loss" in record:
-        want.setdefault(record["step"], record["loss"])  # the first run's (a test may resume it later)
-  got, _ = harness.metrics_losses(workdir)
-  assert sorted(got) == [4, 8] and want[8] < want[4], (got, want)
-  np.testing.assert_allclose([got[4], got[8]], [want[4], want[8]], rtol=1e-5)
+  (want, _), (got, _) = harness.metrics_losses(tmp_path / "ref"), harness.metrics_losses(tmp_path / "run")
+  assert sorted(want) == list(range(1, 9)) and sorted(got) == sorted(want), job.logs()
+  assert want[8] < want[1]
+  np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)], rtol=1e-5)
 
 
 def test_coordinator_gone_tells_a_listening_port_from_a_closed_one():
