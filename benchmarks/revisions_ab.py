@@ -76,9 +76,11 @@ def main(argv=None):
   series = {k: collections.defaultdict(list) for k in trees}
   for r in range(args.rounds):
     for label, tree in trees.items():
-      for name, numbers in rows(run(tree, command)).items():
+      table = rows(run(tree, command))
+      for name, numbers in table.items():
         series[label][name].append(numbers)
-      print(f"round {r + 1}/{args.rounds} {label} done (load {os.getloadavg()[0]:.2f})", flush=True)
+      print(f"round {r + 1}/{args.rounds} {label} done (load {os.getloadavg()[0]:.2f}): "
+            + "; ".join(f"{name} {' '.join(f'{x:g}' for x in xs)}" for name, xs in table.items()), flush=True)
   print(f"\n{' '.join(command)}\nbefore = {args.before}, after = {args.after or 'working tree'}; "
         f"{args.rounds} alternating runs each; medians")
   for name in series["before"]:
