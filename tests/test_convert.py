@@ -240,9 +240,9 @@ def assert_one_line_error(capsys, pattern, *argv):
   assert re.search(pattern, lines[0]), lines[0]
 
 
-def edited_copy(tmp_path, name, edit):
-  """A copy of a fixture whose config.json went through `edit(dict)`."""
-  d = pathlib.Path(tempfile.mkdtemp(dir=tmp_path)) / name
+def edited_copy(tmp_path, name, edit, copy_name=None):
+  """A copy of a fixture (named `copy_name`, default `name`) whose config.json went through `edit(dict)`."""
+  d = pathlib.Path(tempfile.mkdtemp(dir=tmp_path)) / (copy_name or name)
   shutil.copytree(FIXTURES / name, d)
   conf = json.loads((d / "config.json").read_text())
   edit(conf)

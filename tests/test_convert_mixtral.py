@@ -10,7 +10,6 @@ logits, top-2 choices and weights, load-balancing losses and greedy generations
 import json
 import pathlib
 import re
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +24,7 @@ from jaxformer import decode
 from jaxformer import evaluate
 from jaxformer import moe
 from jaxformer.errors import UserError
+from test_convert import edited_copy
 
 FIXTURE = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf" / "mixtral"
 QUIET = {"log": lambda *a, **k: None}
@@ -129,12 +129,8 @@ def _one_line_error(capsys, pattern, *argv):
 
 
 def _edited(tmp_path, name, edit):
-  d = tmp_path / name
-  shutil.copytree(FIXTURE, d)
-  conf = json.loads((d / "config.json").read_text())
-  edit(conf)
-  (d / "config.json").write_text(json.dumps(conf))
-  return str(d)
+  """A copy of the Mixtral fixture, named `name`, whose config.json went through `edit(dict)`."""
+  return edited_copy(tmp_path, "mixtral", edit, name)
 
 
 def test_mixtral_fields_and_layouts_we_do_not_support_are_one_line_errors(tmp_path, capsys):
