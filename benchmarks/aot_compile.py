@@ -24,7 +24,6 @@ the bytes it needed.
 """
 
 import argparse
-import functools
 import os
 import re
 import sys
@@ -88,7 +87,7 @@ def main(argv=None):
   if args.platform == "tpu":
     # MoE's grouped matmul: "auto" picks by jax.default_backend(), which is "cpu" here; the TPU
     # program (and the plan, traced below) must use what a TPU runs: jax.lax.ragged_dot.
-    moe.grouped_matmul = functools.partial(moe.grouped_matmul, impl="ragged_dot")
+    moe.DROPLESS_IMPL = "ragged_dot"
   overrides = args.overrides if any(o.startswith("mesh.") for o in args.overrides) else ["mesh.data=1", "mesh.fsdp=-1",
                                                                                           *args.overrides]
   cfg = config.load_config(args.config, overrides)

@@ -1,12 +1,12 @@
 """Where the MoE train step's time goes on CPU: XLA ops by kind, and step time against block size.
 
-    JAXFORMER_DATA=/work/shared/data python benchmarks/moe_step_profile.py [--rounds 7] [--blocks 32,64,128]
+    JAXFORMER_DATA=/work/shared/data python benchmarks/moe_step_profile.py [--rounds 7] [--blocks 32,64,128] [--batch 12]
 
 `shakespeare_char` (dense) against `moe_shakespeare` (8 experts, top 2, the same active FFN
-weights), batch 12 x 64, one step per call:
+weights), batch --batch x 64, one step per call:
 1. each train step once under jax.profiler: the XLA:CPU thunks' time summed over threads, by kind
    (matmul = dot / YNNPACK fusions, gather, scatter, sort, other) and the five slowest ops;
-2. interleaved rounds in this process of dense, dropless at each moe.CPU_BLOCK in --blocks, and
+2. interleaved rounds in this process of dense, dropless at each block size in --blocks (moe.block_rows's choice: auto), and
    capacity 1.25, from one state and batch (after 1 step): median ms and per-round ratio to dense.
 """
 
@@ -29,19 +29,20 @@ from jaxformer import config as config_lib, moe, train  # noqa: E402
 
 
 def build(recipe, overrides, block=None):
-  """A jitted train step (traced with moe.CPU_BLOCK = block), its state after one step, a batch."""
+  """A jitted train step (traced with `block` rows per CPU block, None: moe.block_rows's), its state after one step, a batch."""
   cfg = config_lib.load_config(recipe, overrides)
   _, task, model, tx, schedule, init_fn, rng, _, _ = train.setup(cfg, tempfile.mkdtemp(), lambda *a: None)
   state = jax.jit(lambda r: nn.unbox(init_fn(r)))(rng)
   batch = jax.device_put(task.train_batch(0))
   step = jax.jit(train.make_train_step(model, task, cfg, tx, schedule))
-  saved = moe.CPU_BLOCK
-  moe.CPU_BLOCK = block or saved
+  saved = moe.block_rows
+  if block:
+    moe.block_rows = lambda rows, num_e: block
   try:
     state, metrics = step(state, batch)  # traced and compiled now, with this block size
     jax.block_until_ready(metrics)
   finally:
-    moe.CPU_BLOCK = saved
+    moe.block_rows = saved
   return step, state, batch
 
 
@@ -75,15 +76,18 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--rounds", type=int, default=7)
   parser.add_argument("--steps-per-round", type=int, default=5)
-  parser.add_argument("--blocks", default="32,64,128")
+  parser.add_argument("--blocks", default="32,64,128", help="fixed block sizes to time beside auto ('' for none)")
+  parser.add_argument("--batch", type=int, default=12, help="sequences of 64 tokens per step (the recipes': 12)")
   args = parser.parse_args(argv)
   print(f"load average {os.getloadavg()}", flush=True)
-  variants = {"dense": ("shakespeare_char", [], None)}
-  for b in map(int, args.blocks.split(",")):
-    variants[f"dropless_block{b}"] = ("moe_shakespeare", [], b)
-  variants["capacity_1.25"] = ("moe_shakespeare", ["model.moe_capacity_factor=1.25"], None)
+  batch = [f"data.batch_size={args.batch}"]
+  variants = {"dense": ("shakespeare_char", batch, None), "dropless_auto": ("moe_shakespeare", batch, None)}
+  for b in (int(b) for b in args.blocks.split(",") if b):
+    variants[f"dropless_block{b}"] = ("moe_shakespeare", batch, b)
+  variants["capacity_1.25"] = ("moe_shakespeare", batch + ["model.moe_capacity_factor=1.25"], None)
   built = {name: build(*v) for name, v in variants.items()}
-  for name in ("dense", f"dropless_block{moe.CPU_BLOCK}", "capacity_1.25"):
+  print(f"batch {args.batch} x 64: moe.block_rows picks {moe.block_rows(args.batch * 64 * 2, 8)} rows per block", flush=True)
+  for name in ("dense", "dropless_auto", "capacity_1.25"):
     if name in built:
       kinds, ops = op_profile(*built[name])
       print(f"{name:<18} thread-ms/step {sum(kinds.values()):7.1f}: "

@@ -5,7 +5,7 @@ experts; their probabilities, renormalised to sum to 1 (Mixtral), weight the exp
 
 Dropless (model.moe_capacity_factor=0, the default): the token copies are sorted by expert
 and each expert's rows go through one grouped matmul (`jax.lax.ragged_dot` on TPU/GPU; on CPU,
-where that lowers to every expert on every row, padded blocks: `grouped_matmul`); no token is
+where that lowers to every expert on every row, padded blocks: `block_layout`); no token is
 ever dropped and only the active experts' work is done.
 
 Capacity mode (model.moe_capacity_factor=c > 0): each expert takes at most
@@ -72,38 +72,48 @@ def capacity_slots(top_e, num_experts, cap):
   return rank, rank < cap
 
 
-# Rows per block of the CPU grouped matmul: each expert's group is padded to a multiple of it.
-CPU_BLOCK = 32
+# The dropless grouped matmul: "auto" = "ragged_dot" on TPU/GPU, "blocks" on CPU (see
+# `block_layout`); benchmarks/aot_compile.py sets "ragged_dot" to compile TPU programs on a CPU.
+DROPLESS_IMPL = "auto"
 
 
-def grouped_matmul(x, w, group_sizes, impl="auto"):
-  """x [rows, in] sorted by group, w [groups, in, out], group_sizes [groups] -> [rows, out] float32:
-  rows of group g times w[g]. sum(group_sizes) == rows.
+def dropless_impl():
+  """The dropless path this backend takes: "ragged_dot" or "blocks"."""
+  if DROPLESS_IMPL != "auto":
+    return DROPLESS_IMPL
+  return "blocks" if jax.default_backend() == "cpu" else "ragged_dot"
 
-  "ragged_dot": `jax.lax.ragged_dot`, a grouped-matmul kernel on TPU and GPU; but XLA:CPU has
-  none, and jax lowers it there (jax/_src/lax/lax.py, `_ragged_dot_general_impl`) to a dense
-  product of every row with every group's weight under a mask: `groups` times the work.
-  "blocks" (what "auto" picks on CPU): each group is padded to a multiple of CPU_BLOCK rows and
-  every block runs one batched matmul against its group's weight, gathered per block: the
-  active work plus at most groups x (CPU_BLOCK - 1) padding rows.
+
+def block_rows(rows, num_e):
+  """Rows per block of the CPU layout: the largest power of two in [32, 512] whose padding (at
+  most num_e blocks) stays within half the rows. XLA:CPU's batched matmul runs 32-row blocks at
+  several times the time per FLOP of 256-row ones, which outweighs the padded rows: measured
+  best at 64-128 rows for 1,536 copies and 256-512 for 6,144 (BENCHMARKS.md)."""
+  b = 32
+  while b < 512 and 2 * b * num_e * 2 <= rows:
+    b *= 2
+  return b
+
+
+def block_layout(top_e, num_e, b):
+  """top_e [tokens, top_k] -> each copy's row in the block layout [tokens * top_k], each
+  block's expert [blocks], and the static number of blocks.
+
+  The layout for XLA:CPU, which has no grouped-matmul kernel (jax lowers `ragged_dot` there,
+  in jax/_src/lax/lax.py `_ragged_dot_general_impl`, to every row against every expert under a
+  mask: `experts` times the work): expert e's copies fill consecutive rows, in token order,
+  from the first row of its first block, and its rows are padded to a multiple of b, so each
+  block holds one expert's rows. ceil(copies / b) + num_e blocks hold any split of the copies.
   """
-  if impl == "auto":
-    impl = "blocks" if jax.default_backend() == "cpu" else "ragged_dot"
-  if impl == "ragged_dot":
-    return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
-  rows, groups, b = x.shape[0], w.shape[0], CPU_BLOCK
-  blocks = -(-rows // b) + groups  # enough for any split of `rows` into `groups` padded groups
-  ends = jnp.cumsum(group_sizes)
-  starts = ends - group_sizes
-  padded = -(-group_sizes // b) * b
-  padded_starts = jnp.cumsum(padded) - padded
-  group = jnp.searchsorted(ends, jnp.arange(rows), side="right")  # each (sorted) row's group
-  dest = padded_starts[group] + jnp.arange(rows) - starts[group]
-  x_blocks = jnp.zeros((blocks * b, x.shape[1]), x.dtype).at[dest].set(x, unique_indices=True)
-  block_group = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded), jnp.arange(blocks) * b, side="right"), groups - 1)
-  out = jnp.einsum("bri,bio->bro", x_blocks.reshape(blocks, b, -1), w[block_group],
-                   preferred_element_type=jnp.float32)
-  return out.reshape(blocks * b, -1)[dest]
+  flat = top_e.reshape(-1)
+  blocks = -(-flat.shape[0] // b) + num_e
+  one_hot = jax.nn.one_hot(flat, num_e, dtype=jnp.int32)
+  rank = jnp.sum((jnp.cumsum(one_hot, axis=0) - 1) * one_hot, axis=-1)  # rank at its expert
+  padded = -(-jnp.sum(one_hot, axis=0) // b) * b
+  ends = jnp.cumsum(padded)
+  dest = (ends - padded)[flat] + rank
+  block_group = jnp.minimum(jnp.searchsorted(ends, jnp.arange(blocks) * b, side="right"), num_e - 1)
+  return dest, block_group, blocks
 
 
 class MoEFeedForward(nn.Module):
@@ -151,12 +161,21 @@ class MoEFeedForward(nn.Module):
     elif cfg.moe_dispatch == "all_to_all" and _expert_axis_size() > 1:
       copies = all_to_all_dispatch(x.astype(dtype), top_e.reshape(batch, length, k), w_in, w_out, ffn)
       copies = copies.reshape(n * k, d)
+    elif dropless_impl() == "blocks":
+      # The whole FFN in the block layout: one scatter in, one gather out (padding rows are 0).
+      b = block_rows(n * k, num_e)
+      dest, block_group, blocks = block_layout(top_e, num_e, b)
+      rows = jnp.broadcast_to(tokens[:, None], (n, k, d)).reshape(n * k, d).astype(dtype)
+      x_blocks = jnp.zeros((blocks * b, d), dtype).at[dest].set(rows, unique_indices=True)
+      out = ffn(x_blocks.reshape(blocks, b, d),
+                lambda h, w: jnp.einsum("bri,bio->bro", h, w[block_group], preferred_element_type=jnp.float32))
+      copies = out.reshape(blocks * b, d)[dest]  # [n * k] in token order
     else:
       flat_e = top_e.reshape(-1)  # [n * k]
       order = jnp.argsort(flat_e, stable=True)
       group_sizes = jnp.bincount(flat_e, length=num_e).astype(jnp.int32)
       rows = tokens[order // k].astype(dtype)  # token copies sorted by expert
-      out = ffn(rows, lambda h, w: grouped_matmul(h, w, group_sizes))
+      out = ffn(rows, lambda h, w: jax.lax.ragged_dot(h, w, group_sizes, preferred_element_type=jnp.float32))
       copies = jnp.zeros_like(out).at[order].set(out, unique_indices=True)  # back to [n * k] order
     y = jnp.einsum("nkd,nk->nd", copies.reshape(n, k, d), weights.astype(copies.dtype))
     y = y.astype(cfg.dtype).reshape(batch, length, d)

@@ -170,14 +170,14 @@ def test_scan_remat_and_interleaving_give_the_unrolled_loss():
 
 
 @pytest.mark.slow
-def test_train_logs_the_aux_losses_and_fractions(tmp_path):
-  from jaxformer import train
+def test_train_logs_the_aux_losses_and_fractions_and_checkpoints_restore_in_either_layout(tmp_path):
+  from jaxformer import evaluate, train
   text = tmp_path / "text.txt"
   text.write_text("the quick brown fox jumps over the lazy dog.\n" * 100)
   cfg = config_lib.load_config("llama_tiny", [
       "model.moe_experts=4", f"data.text_path={text}", "train.num_steps=4", "train.log_every=2",
       "train.eval_every=4", "train.sample_every_eval=false", "optim.label_smoothing=0", "optim.moe_aux_loss=0.1"])
-  train.train_and_evaluate(cfg, str(tmp_path / "run"))
+  out = train.train_and_evaluate(cfg, str(tmp_path / "run"), log=lambda *a: None)
   rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
   logged = [r for r in rows if "moe_load_balancing" in r]
   assert len(logged) == 2
@@ -185,6 +185,14 @@ def test_train_logs_the_aux_losses_and_fractions(tmp_path):
     assert abs(sum(r[f"moe_fraction_{e}"] for e in range(4)) - 1.0) < 1e-5
     # loss = nll + 0.1 x load balancing (every step has the same token count).
     assert abs(r["loss"] - r["nll"] - 0.1 * r["moe_load_balancing"]) < 1e-4 * r["loss"]
+  # The last checkpoint holds the trained experts bitwise, unrolled as trained or stacked for scan.
+  trained = nn.unbox(out["state"]["params"])
+  for scan in (False, True):
+    _, _, params, _, _ = evaluate.load_run(str(tmp_path / "run"), log=lambda *a: None, scan_layers=scan)
+    want = model_lib.convert_layers(trained, True) if scan else trained
+    assert jax.tree.structure(params) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_inspect_counts_mixtral_8x7b_total_and_active_parameters():
@@ -199,16 +207,39 @@ def test_inspect_counts_mixtral_8x7b_total_and_active_parameters():
   assert inspect.active_parameters(dense) == inspect.count_parameters(dense)["total"]
 
 
-@pytest.mark.parametrize("sizes", [(5, 0, 40, 3), (0, 0, 48, 0), (12, 12, 12, 12)])
-def test_grouped_matmul_blocks_and_ragged_dot_equal_a_per_group_loop(sizes):
-  rng = np.random.default_rng(0)
-  x = rng.normal(size=(sum(sizes), 6)).astype(np.float32)
-  w = rng.normal(size=(len(sizes), 6, 5)).astype(np.float32)
-  want = np.concatenate([x[a:a + n] @ w[g] for g, (a, n) in enumerate(zip(np.cumsum((0,) + sizes), sizes))])
-  sizes = jnp.asarray(sizes, jnp.int32)
-  for impl in ("blocks", "ragged_dot"):
-    np.testing.assert_allclose(moe.grouped_matmul(x, w, sizes, impl), want, atol=1e-5, rtol=1e-5)
-  gx, gw = jax.grad(lambda x, w: jnp.sum(moe.grouped_matmul(x, w, sizes, "blocks") ** 2), argnums=(0, 1))(x, w)
-  rx, rw = jax.grad(lambda x, w: jnp.sum(moe.grouped_matmul(x, w, sizes, "ragged_dot") ** 2), argnums=(0, 1))(x, w)
-  np.testing.assert_allclose(gx, rx, atol=1e-4, rtol=1e-5)
-  np.testing.assert_allclose(gw, rw, atol=1e-4, rtol=1e-5)
+@pytest.mark.parametrize("sizes", [(5, 0, 40, 3), (0, 0, 48, 0), (12, 12, 12, 12), (1, 2, 3, 4, 5, 6, 7, 8)])
+def test_block_layout_gives_each_expert_whole_blocks_in_token_order(sizes):
+  num_e, b, k = len(sizes), 8, 2
+  top_e = np.random.default_rng(0).permutation(np.repeat(np.arange(num_e), sizes)).reshape(-1, k)
+  dest, block_group, blocks = jax.jit(moe.block_layout, static_argnums=(1, 2))(top_e, num_e, b)
+  dest, block_group, flat = np.asarray(dest), np.asarray(block_group), top_e.reshape(-1)
+  assert blocks == -(-flat.size // b) + num_e
+  assert len(set(dest.tolist())) == flat.size and dest.max() < blocks * b  # every copy has its own row
+  np.testing.assert_array_equal(block_group[dest // b], flat)  # ... in a block of its expert
+  for e in range(num_e):
+    rows = dest[flat == e]
+    if rows.size:  # consecutive rows from a block's first row, in token order
+      assert rows[0] % b == 0
+      np.testing.assert_array_equal(rows, rows[0] + np.arange(rows.size))
+
+
+def test_block_rows_keep_padding_within_half_the_rows():
+  for rows in (16, 1536, 4096, 6144, 8192, 10**6):
+    b = moe.block_rows(rows, 8)
+    assert b in (32, 64, 128, 256, 512)
+    assert b == 32 or b * 8 <= rows / 2  # padding (<= 8 blocks) within half the rows ...
+    assert b == 512 or 2 * b * 8 > rows / 2  # ... and the largest such block
+
+
+def test_ragged_dot_and_cpu_blocks_give_the_same_layer(monkeypatch):
+  cfg = _cfg()
+  x = jax.random.normal(jax.random.key(1), (3, 7, cfg.d_model))
+  params = _init(cfg, x)
+  w = jax.random.normal(jax.random.key(2), x.shape)
+  out = {}
+  for impl in ("ragged_dot", "blocks"):
+    monkeypatch.setattr(moe, "DROPLESS_IMPL", impl)
+    loss = lambda p, x: jnp.sum(moe.MoEFeedForward(cfg).apply({"params": p}, x) * w)  # noqa: E731
+    out[impl] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x)
+  for a, r in zip(jax.tree.leaves(out["blocks"]), jax.tree.leaves(out["ragged_dot"])):
+    np.testing.assert_allclose(a, r, atol=1e-5, rtol=1e-5)
