@@ -1,6 +1,7 @@
 """MoE training through train.py on 8 simulated CPU devices with the experts sharded over the
-`expert` mesh axis: the same losses as on one device (rel 1e-5), alone and with data, FSDP, tensor,
-and with the shard_map all-to-all dispatch (model.moe_dispatch=all_to_all)."""
+`expert` mesh axis: the same losses as on one device (rel 1e-5), with data, FSDP and tensor axes,
+under the compiler's dispatch (gspmd) and the shard_map all-to-all (model.moe_dispatch=all_to_all),
+the latter also under scan over layers and full remat."""
 
 import json
 import os
@@ -12,10 +13,13 @@ import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-MESHES = {"1dev": (1, ()), "expert4_data2": (8, ("mesh.expert=4", "mesh.data=2")),
-          "expert8": (8, ("mesh.expert=8", "mesh.data=1")),
+SCAN = ("model.scan_layers=true", "model.remat=full")  # scanned layers initialise differently: own reference
+MESHES = {"1dev": (1, ()), "1dev_scan": (1, SCAN), "expert4_data2": (8, ("mesh.expert=4", "mesh.data=2")),
           "expert8_all_to_all": (8, ("mesh.expert=8", "mesh.data=1", "model.moe_dispatch=all_to_all")),
-          "expert2_fsdp2_tensor2": (8, ("mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2", "mesh.data=1"))}
+          "expert2_fsdp2_tensor2": (8, ("mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2", "mesh.data=1")),
+          # all_to_all beside FSDP and tensor axes (data shards the batch as fsdp does), under scan and remat
+          "expert2_fsdp2_tensor2_all_to_all_scan": (8, ("mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2", "mesh.data=1",
+                                                      "model.moe_dispatch=all_to_all", *SCAN))}
 
 
 @pytest.mark.slow
@@ -39,10 +43,10 @@ def test_expert_parallel_meshes_train_with_the_one_device_losses(tmp_path):
     assert proc.returncode == 0, f"{name}:\n{log[-3000:]}"
     rows = [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
     losses[name] = [(r["loss"], r["nll"], r["moe_load_balancing"]) for r in rows if "loss" in r]
-    if name != "1dev":  # train.py logs the mesh it built
+    if not name.startswith("1dev"):  # train.py logs the mesh it built
       expert = dict(m.split("=") for m in MESHES[name][1])["mesh.expert"]
       assert f"'expert': {expert}}}" in log, log[-2000:]
-  reference = np.array(losses["1dev"])
-  assert len(reference) == 3 and reference[-1, 0] < reference[0, 0]  # it trains
   for name in MESHES:
+    reference = np.array(losses["1dev_scan" if "scan" in name else "1dev"])
+    assert len(reference) == 3 and reference[-1, 0] < reference[0, 0]  # it trains
     np.testing.assert_allclose(losses[name], reference, rtol=1e-5, err_msg=name)
