@@ -1,12 +1,28 @@
 """Shared fixtures: a JAX compilation cache and one short tiny_encdec training run."""
 
+import functools
 import os
+import subprocess
+import sys
+import tempfile
 
-import jax
-import pytest
+# Cheap LLVM codegen for every program the tests compile, here and in the train.py / eval.py
+# processes they start (they inherit it): test programs are tiny and compiling them is most of
+# their time (-19% suite time on test_decode + test_scale). These flags lower LLVM's optimisation of
+# the emitted code; XLA's HLO passes (fusion, layout, buffer assignment) are unchanged.
+# Tests of what the default codegen does (bitwise equality of two programs) run with it through
+# `with_default_codegen`.
+FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+os.environ.setdefault("JAXFORMER_XLA_FLAGS_GIVEN", os.environ.get("XLA_FLAGS", ""))  # before any FAST_XLA
+XLA_FLAGS_GIVEN = os.environ["JAXFORMER_XLA_FLAGS_GIVEN"]  # (xdist workers inherit the controller's env)
+if os.environ.get("JAXFORMER_TEST_CODEGEN") != "default" and "xla_backend_optimization_level" not in XLA_FLAGS_GIVEN:
+  os.environ["XLA_FLAGS"] = f"{XLA_FLAGS_GIVEN} {FAST_XLA}".strip()
 
-from jaxformer import config as config_lib
-from jaxformer import train
+import jax  # noqa: E402  (after XLA_FLAGS: read when the CPU backend starts)
+import pytest  # noqa: E402
+
+from jaxformer import config as config_lib  # noqa: E402
+from jaxformer import train  # noqa: E402
 
 # Overrides that keep tiny_encdec fast: a small synthetic corpus, one bucket shape
 # (so one train-step compile), checkpoints at steps 4 and 8.
@@ -67,3 +83,43 @@ def window_by_window_nll(model, params, ids, block):
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     total -= logp[np.arange(len(window) - 1), window[1:]].sum()
   return total
+
+
+# Modules whose module-scoped fixture (a run, a chain of processes) is worth building once: under
+# `-n 2` each of them runs on one xdist worker; every other test is scheduled alone, as in
+# xdist's default "load". (xdist's own `--dist loadgroup` marks are ignored with pytest 9.2:
+# pytest-dev/pytest-xdist#1386. Before this, test_multihost's 2-minute chain ran on both workers.)
+ONE_WORKER = {"test_chat", "test_cli", "test_convert", "test_convert_mixtral", "test_data", "test_faults",
+              "test_layout", "test_lora", "test_multihost", "test_prepare", "test_reliability", "test_sharding",
+              "test_train"}
+
+
+def pytest_xdist_make_scheduler(config, log):
+  """xdist's scheduler for `-n N` (dist "load"): one work unit per ONE_WORKER module, one per other test."""
+  if config.getvalue("dist") != "load":
+    return None
+  from xdist.scheduler import LoadScopeScheduling  # pylint: disable=g-import-not-at-top
+
+  class ModuleOrTest(LoadScopeScheduling):
+    def _split_scope(self, nodeid):
+      module = nodeid.split("::", 1)[0]
+      return module if os.path.basename(module)[:-3] in ONE_WORKER else nodeid
+
+  return ModuleOrTest(config, log)
+
+
+def with_default_codegen(test):
+  """Runs the test in a pytest subprocess with XLA's default codegen (without FAST_XLA): for
+  claims about the programs users run that the cheap codegen does not keep. steps_per_call=4
+  trains bitwise as 1 with the default codegen; at LLVM -O0 they differ by 1 ulp."""
+  @functools.wraps(test)
+  def run(*args, **kwargs):
+    if os.environ.get("JAXFORMER_TEST_CODEGEN") == "default":
+      return test(*args, **kwargs)
+    node = os.environ["PYTEST_CURRENT_TEST"].rsplit(" ", 1)[0]
+    env = {**os.environ, "JAXFORMER_TEST_CODEGEN": "default", "XLA_FLAGS": XLA_FLAGS_GIVEN}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           f"--basetemp={tempfile.mkdtemp()}", node], env=env, capture_output=True, text=True,
+                          cwd=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-5000:] + proc.stderr[-2000:]
+  return run

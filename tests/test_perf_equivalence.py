@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from conftest import tiny_config, with_default_codegen
 from jaxformer import inspect as inspect_lib
 from jaxformer import runtime
 from jaxformer import train
@@ -40,6 +40,7 @@ def test_steps_this_call_keeps_boundaries_exact():
   assert train._steps_this_call(0, t, translation) == 1
 
 
+@with_default_codegen
 def test_lm_steps_per_call_is_bitwise_identical(tmp_path, monkeypatch):
   """gpt2_tiny with dropout (so the per-step rng goes through the scan too): K=1 vs K=4."""
   monkeypatch.setattr(runtime.inspect_lib, "peak_flops", lambda kind: 1e12)  # as if on a known device
@@ -70,6 +71,7 @@ def test_lm_steps_per_call_is_bitwise_identical(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@with_default_codegen
 def test_translation_steps_per_call_is_bitwise_identical(tmp_path):
   """Translation ignores steps_per_call (bucket shapes vary; see `train._steps_this_call`)."""
   cfg = tiny_config("model.num_layers=1", "train.num_steps=8", "train.log_every=8", "train.checkpoint_every=8")
