@@ -2,6 +2,8 @@
 
     python benchmarks/moe_vs_dense.py [--steps 600] [--rounds 5] [--out /tmp/moe_vs_dense] [overrides ...]
 
+Overrides (e.g. data.batch_size=96) apply to the training runs and the timed steps alike.
+
 Tiny Shakespeare, `shakespeare_char` (dense, d_ff 512) against `moe_shakespeare` (8 experts of
 d_ff 256, top 2: the same FFN weights per token), same data, steps, tokens and schedule:
 1. training: each variant trains --steps steps through `train.train_and_evaluate`; prints the
@@ -68,14 +70,14 @@ def train_variants(steps, out, overrides=(), names=tuple(VARIANTS)):
   return results
 
 
-def time_steps(rounds, steps_per_round, out):
+def time_steps(rounds, steps_per_round, out, overrides=()):
   """Median ms per train step of each kind, interleaved rounds from one state and batch."""
   kinds = {"dense": ("shakespeare_char", []), "moe_dropless": ("moe_shakespeare", []),
            "moe_capacity_1.25": ("moe_shakespeare", ["model.moe_capacity_factor=1.25"]),
            "moe_all_experts": ("moe_shakespeare", [])}
   fns = {}
   for kind, (recipe, extra) in kinds.items():
-    cfg = config_lib.load_config(recipe, extra)
+    cfg = config_lib.load_config(recipe, [*overrides, *extra])
     _, task, model, tx, schedule, init_fn, rng, _, _ = train.setup(cfg, os.path.join(out, "timing"), lambda *a: None)
     state = jax.jit(lambda r: nn.unbox(init_fn(r)))(rng)
     batch = jax.device_put(task.train_batch(0))
@@ -103,7 +105,7 @@ def time_steps(rounds, steps_per_round, out):
   return {"median_ms": med, "rounds": times}
 
 
-def plot(results, path):
+def plot(results, path, overrides=()):
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -113,7 +115,8 @@ def plot(results, path):
     ax.plot(steps, nll, marker="o", label=name)
   ax.set_xlabel("step")
   ax.set_ylabel("validation NLL (nats/char)")
-  ax.set_title("Tiny Shakespeare: dense d_ff 512 vs 8 experts x d_ff 256, top 2")
+  ax.set_title("Tiny Shakespeare: dense d_ff 512 vs 8 experts x d_ff 256, top 2"
+               + (f"\n{' '.join(overrides)}" if overrides else ""), fontsize=10)
   ax.legend()
   fig.tight_layout()
   fig.savefig(path)
@@ -128,7 +131,7 @@ def main(argv=None):
   parser.add_argument("--skip-training", action="store_true")
   parser.add_argument("--variants", default=",".join(VARIANTS), help="which training runs (comma-separated)")
   parser.add_argument("--skip-timing", action="store_true")
-  parser.add_argument("overrides", nargs="*", help="for every variant's training run, e.g. optim.warmup_steps=20")
+  parser.add_argument("overrides", nargs="*", help="for every variant's training run and timed step, e.g. data.batch_size=96")
   args = parser.parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
   print(f"load average {os.getloadavg()}", flush=True)
@@ -137,12 +140,12 @@ def main(argv=None):
   timing = {}
   if not args.skip_timing:
     print("step time (one process, interleaved rounds):", flush=True)
-    timing = time_steps(args.rounds, args.steps_per_round, args.out)
+    timing = time_steps(args.rounds, args.steps_per_round, args.out, args.overrides)
   print(f"load average {os.getloadavg()}", flush=True)
   with open(os.path.join(args.out, "results.json"), "w") as f:
-    json.dump({"training": results, "timing": timing, "steps": args.steps}, f, indent=1)
+    json.dump({"training": results, "timing": timing, "steps": args.steps, "overrides": args.overrides}, f, indent=1)
   if results:
-    plot(results, os.path.join(args.out, "moe_vs_dense.png"))
+    plot(results, os.path.join(args.out, "moe_vs_dense.png"), args.overrides)
 
 
 if __name__ == "__main__":
