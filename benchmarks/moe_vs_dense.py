@@ -9,7 +9,7 @@ d_ff 256, top 2: the same FFN weights per token), same data, steps, tokens and s
 1. training: each variant trains --steps steps through `train.train_and_evaluate`; prints the
    validation loss at the end (20 fixed batches), and the tokens-per-expert fractions with the
    load-balancing loss (optim.moe_aux_loss=0.01) and without it (0);
-2. step time: the jitted train steps of dense, MoE dropless (ragged_dot), MoE capacity 1.25,
+2. step time: the jitted train steps of dense, MoE dropless (`ragged_dot`, on CPU the block layout), MoE capacity 1.25,
    and MoE with every expert run on every token (the all-experts dense loop, combined by the
    router weights: `moe.dense_reference`), timed in interleaved rounds in one process, from the
    same state and batch; prints the medians and each one's ratio to dense.

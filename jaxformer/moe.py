@@ -60,14 +60,20 @@ def capacity(cfg: ModelConfig, tokens):
   return max(1, math.ceil(cfg.moe_capacity_factor * tokens * cfg.moe_top_k / cfg.moe_experts))
 
 
+def rank_at_expert(flat_e, num_experts):
+  """flat_e [copies] -> each copy's rank among the earlier copies at its expert [copies], and the
+  copies per expert [experts]."""
+  one_hot = jax.nn.one_hot(flat_e, num_experts, dtype=jnp.int32)
+  return jnp.sum((jnp.cumsum(one_hot, axis=0) - 1) * one_hot, axis=-1), jnp.sum(one_hot, axis=0)
+
+
 def capacity_slots(top_e, num_experts, cap):
   """Each copy's rank at its expert, and whether it is kept (rank < cap): [tokens, top_k] each.
 
   top_e [tokens, top_k]: ranks run over choices first, then tokens (see the module docstring).
   """
   choice_major = top_e.T.reshape(-1)  # [top_k * tokens]: all first choices, then all second ...
-  one_hot = jax.nn.one_hot(choice_major, num_experts, dtype=jnp.int32)
-  rank = jnp.sum((jnp.cumsum(one_hot, axis=0) - 1) * one_hot, axis=-1)
+  rank, _ = rank_at_expert(choice_major, num_experts)
   rank = rank.reshape(top_e.shape[1], top_e.shape[0]).T
   return rank, rank < cap
 
@@ -87,8 +93,8 @@ def dropless_impl():
 def block_rows(rows, num_e):
   """Rows per block of the CPU layout: the largest power of two in [32, 512] whose padding (at
   most num_e blocks) stays within half the rows. XLA:CPU's batched matmul runs 32-row blocks at
-  several times the time per FLOP of 256-row ones, which outweighs the padded rows: measured
-  best at 64-128 rows for 1,536 copies and 256-512 for 6,144 (BENCHMARKS.md)."""
+  several times the time per FLOP of 256-row ones (benchmarks/block_matmul.py), which outweighs
+  the padded rows: measured best at 64-128 rows for 1,536 copies and 256-512 for 6,144 (BENCHMARKS.md)."""
   b = 32
   while b < 512 and 2 * b * num_e * 2 <= rows:
     b *= 2
@@ -107,9 +113,8 @@ def block_layout(top_e, num_e, b):
   """
   flat = top_e.reshape(-1)
   blocks = -(-flat.shape[0] // b) + num_e
-  one_hot = jax.nn.one_hot(flat, num_e, dtype=jnp.int32)
-  rank = jnp.sum((jnp.cumsum(one_hot, axis=0) - 1) * one_hot, axis=-1)  # rank at its expert
-  padded = -(-jnp.sum(one_hot, axis=0) // b) * b
+  rank, sizes = rank_at_expert(flat, num_e)
+  padded = -(-sizes // b) * b
   ends = jnp.cumsum(padded)
   dest = (ends - padded)[flat] + rank
   block_group = jnp.minimum(jnp.searchsorted(ends, jnp.arange(blocks) * b, side="right"), num_e - 1)

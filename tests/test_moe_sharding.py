@@ -11,8 +11,9 @@ import sys
 import numpy as np
 import pytest
 
+from conftest import FAST_XLA
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 SCAN = ("model.scan_layers=true", "model.remat=full")  # scanned layers initialise differently: own reference
 MESHES = {"1dev": (1, ()), "1dev_scan": (1, SCAN), "expert4_data2": (8, ("mesh.expert=4", "mesh.data=2")),
           "expert8_all_to_all": (8, ("mesh.expert=8", "mesh.data=1", "model.moe_dispatch=all_to_all")),
@@ -29,7 +30,7 @@ def test_expert_parallel_meshes_train_with_the_one_device_losses(tmp_path):
   procs = {}
   for name, (devices, mesh) in MESHES.items():
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAXFORMER_COMPILATION_CACHE": "off",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {XLA}"}
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {FAST_XLA}"}
     args = [sys.executable, os.path.join(ROOT, "train.py"), "--config", "llama_tiny", "--workdir",
             str(tmp_path / name), "model.moe_experts=8", "model.moe_top_k=2", "optim.moe_z_loss=0.001",
             f"data.text_path={text}", "data.batch_size=8", "data.block_size=16", "train.num_steps=3",
