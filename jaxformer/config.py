@@ -346,9 +346,6 @@ def _validate(cfg):
   for field, allowed in choices.items():
     if getattr(m, field) not in allowed:
       raise UserError(f"model.{field}={getattr(m, field)!r}: choose one of {', '.join(allowed)}")
-  if m.attention_impl == "cudnn" and m.dtype != "bfloat16":
-    raise UserError(f"model.attention_impl=cudnn needs model.dtype=bfloat16 (cuDNN flash attention has no "
-                    f"{m.dtype} kernel): set model.dtype=bfloat16 or model.attention_impl=auto")
   for name in ("pad_id", "bos_id", "eos_id"):
     if not 0 <= getattr(m, name) < m.vocab_size:
       raise UserError(f"model.{name}={getattr(m, name)} is not a token id of model.vocab_size={m.vocab_size}")
@@ -548,12 +545,19 @@ def _validate_moe(cfg):
 
 
 def check_backend(model_cfg, backend):
-  """One line before anything compiles: `splash` needs a TPU and `cudnn` a GPU (`backend`: the
-  platform the program runs on; a compile for a TPU topology from this CPU does not call this)."""
-  need = {"splash": "tpu", "cudnn": "gpu"}.get(model_cfg.attention_impl)
+  """One line before anything compiles: `splash` needs a TPU and `cudnn` a GPU and bfloat16 (`backend`:
+  the platform the program runs on; a compile for a TPU topology from this CPU does not call this).
+
+  The platform is checked first: on a CPU, `cudnn` is wrong whatever the dtype, so asking for
+  bfloat16 there would send the user to a second error."""
+  m = model_cfg
+  need = {"splash": "tpu", "cudnn": "gpu"}.get(m.attention_impl)
   if need and backend != need:
-    raise UserError(f"model.attention_impl={model_cfg.attention_impl} runs on {need.upper()} only, and this "
+    raise UserError(f"model.attention_impl={m.attention_impl} runs on {need.upper()} only, and this "
                     f"program runs on {backend}: use model.attention_impl=auto (or tiled)")
+  if m.attention_impl == "cudnn" and m.dtype != "bfloat16":
+    raise UserError(f"model.attention_impl=cudnn needs model.dtype=bfloat16 (cuDNN flash attention has no "
+                    f"{m.dtype} kernel): set model.dtype=bfloat16 or model.attention_impl=auto")
 
 
 def to_dict(cfg):

@@ -100,7 +100,6 @@ def test_bad_values_fail_clearly(override, expected):
     ("train.max_skipped_steps=-1", r"must be 0 \(never stop\) or more"),
     ("train.lease_timeout_s=0", "must be positive"),
     ("train.host_timeout_s=1", "must be at least 2"),
-    ("model.attention_impl=cudnn", "needs model.dtype=bfloat16"),
     ("model.attention_impl=flash", "choose one of auto, einsum, tiled"),
 ])
 def test_inconsistent_configs_are_rejected(override, expected):
@@ -119,6 +118,12 @@ def test_attention_kernels_for_another_backend_are_a_one_line_error_at_setup():
     config.check_backend(cudnn, "tpu")
   config.check_backend(splash, "tpu")
   config.check_backend(cudnn, "gpu")
+  # On the wrong platform the platform is the one line, whatever the dtype; on a GPU, the dtype.
+  cudnn_f32 = load_config("tiny_encdec", ["model.attention_impl=cudnn"]).model
+  with pytest.raises(UserError, match="runs on GPU only, and this program runs on cpu"):
+    config.check_backend(cudnn_f32, "cpu")
+  with pytest.raises(UserError, match="needs model.dtype=bfloat16"):
+    config.check_backend(cudnn_f32, "gpu")
   config.check_backend(load_config("tiny_encdec", ["model.attention_impl=tiled"]).model, "cpu")
 
 
