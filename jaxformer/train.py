@@ -199,11 +199,14 @@ def setup(cfg, workdir, log=print):
   layers.log_attention_choices(log)  # which attention kernel each program runs, once per program
   mesh = sharding.make_mesh(cfg.mesh)
   data_parallel = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
-  # Multi-host: process 0 trains the tokenizer and prepares the data (on first use) before
-  # the others read them (a shared workdir would otherwise see concurrent writes). Each
+  # Multi-host: process 0 copies train.init_from's tokenizer, trains one or prepares the data (on
+  # first use) before the others read them (a shared workdir would otherwise see concurrent writes). Each
   # stage ends with all processes learning whether any failed, so all stop together.
-  make_task = lambda: tasks.make_task(cfg, workdir, batch_multiple=data_parallel, log=log,
-                                      part=sharding.batch_part(sharding.batch_sharding(mesh)))  # only its rows
+  def make_task():
+    if cfg.train.init_from and jax.process_index() == 0:  # before the tokenizer is loaded (or would be trained)
+      copy_init_tokenizer(cfg, workdir, log)
+    return tasks.make_task(cfg, workdir, batch_multiple=data_parallel, log=log,
+                           part=sharding.batch_part(sharding.batch_sharding(mesh)))  # only its rows
   task = None
   for stage in ("first", "others") if jax.process_count() > 1 else ("first",):
     error = None
@@ -368,8 +371,6 @@ def _train_and_evaluate(cfg, workdir, log, lease, early_stop=None):
   is_main = jax.process_index() == 0
   if not is_main:
     log = lambda *args, **kwargs: None  # One process speaks for the job.
-  if cfg.train.init_from and is_main:
-    copy_init_tokenizer(cfg, workdir, log)  # before setup, which loads (or would train) the tokenizer
   mesh, task, model, tx, schedule, init_fn, rng, abstract, state_sharding = setup(cfg, workdir, log)
   batch_sharding = sharding.batch_sharding(mesh)
 

@@ -290,11 +290,23 @@ def test_l_a_lost_lease_stops_every_process_with_one_line(chain):
 
 
 @pytest.mark.slow
-def test_a_user_error_on_process_0_during_setup_stops_every_process(tmp_path, compilation_cache):
-  """Process 0 prepares the data first; its error reaches the others instead of leaving them at a barrier."""
+@pytest.mark.parametrize("failing", ["data", "init_from"])
+def test_a_user_error_on_process_0_during_setup_stops_every_process(tmp_path, compilation_cache, failing):
+  """Process 0 copies train.init_from's tokenizer and prepares the data first; its error reaches the
+  others instead of leaving them at a barrier (data: a missing text file; init_from: a workdir whose
+  config.json is not JSON, read while copying its tokenizer)."""
   missing = str(tmp_path / "no-such-text.txt")
-  job = harness.launch(2, ["--config", "gpt2_tiny", "--workdir", str(tmp_path / "run"), f"data.text_path={missing}"],
-                       str(tmp_path / "logs"), env={"JAX_COMPILATION_CACHE_DIR": compilation_cache}, timeout=120)
+  args = ["--config", "gpt2_tiny", "--workdir", str(tmp_path / "run"), f"data.text_path={missing}"]
+  if failing == "init_from":
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "config.json").write_text("{not json")
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    args[-1], missing = f"data.text_path={text}", str(source / "config.json")
+    args.append(f"train.init_from={source}")
+  job = harness.launch(2, args, str(tmp_path / "logs"), env={"JAX_COMPILATION_CACHE_DIR": compilation_cache},
+                       timeout=120)
   assert job.wait() == [2, 2], job.logs()
   first = [line for line in job.log(0).splitlines() if line.startswith("error: ")]
   other = [line for line in job.log(1).splitlines() if line.startswith("error: ")]
