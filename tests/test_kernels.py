@@ -298,10 +298,15 @@ def test_cudnn_through_the_dispatcher_equals_the_reference(monkeypatch, packed):
 def test_splash_in_a_llama_model_equals_einsum(monkeypatch):
   """attention_impl=splash (interpret mode) in a 2-layer Llama-style model with head_dim 128 and GQA:
   the logits and the gradients of a next-token loss over packed + padded rows equal the einsum path's."""
-  import functools
   from jaxformer import config as config_lib
   from jaxformer import model as model_lib
-  monkeypatch.setattr(kernels, "splash_attention", functools.partial(kernels.splash_attention, interpret=True))
+  calls = []  # shapes of the splash calls traced: a fallback to another kernel would leave none
+
+  def splash(q, *args, **kwargs):
+    calls.append(q.shape)
+    return real_splash(q, *args, interpret=True, **kwargs)
+  real_splash = kernels.splash_attention
+  monkeypatch.setattr(kernels, "splash_attention", splash)
   over = ["model.d_model=256", "model.num_heads=2", "model.num_kv_heads=1", "model.max_len=128"]
   build = lambda impl: model_lib.build_model(config_lib.load_config(  # pylint: disable=unnecessary-lambda-assignment
       "llama_tiny", over + [f"model.attention_impl={impl}"]).model)
@@ -321,7 +326,9 @@ def test_splash_in_a_llama_model_equals_einsum(monkeypatch):
     return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
 
   (_, ref_logits), ref_grads = run(ref_model)
+  assert not calls
   (_, logits), grads = run(splash_model)
+  assert len(calls) >= 2, calls  # both layers ran splash
   valid = np.asarray(seg) != 0
   np.testing.assert_allclose(np.asarray(logits)[valid], np.asarray(ref_logits)[valid], **FWD_TOL)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), **BWD_TOL), grads, ref_grads)
