@@ -394,4 +394,5 @@ def test_tiled_kernel_translates_and_beam_searches_like_the_dense_path():
                                                 eos_id=eos)
   tokens, scores = decode.beam_search(tiled, params, inputs, beam_size=3, alpha=0.6, max_extra_len=4, eos_id=eos)
   np.testing.assert_array_equal(tokens, want_tokens)
-  np.testing.assert_allclose(scores, want_scores, atol=1e-5)
+  # float32 sums of log-probs (~5.6): the tiled kernel's online softmax reorders them, so a relative tolerance
+  np.testing.assert_allclose(scores, want_scores, rtol=1e-5, atol=1e-5)
