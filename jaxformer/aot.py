@@ -40,7 +40,7 @@ def compile_train_step(cfg, devices, rows, lengths, task=None):
   """(compiled train step, seconds to lower, seconds to compile) for `rows` x `lengths` batches
   on a mesh of `devices` shaped by cfg.mesh. A LoRA config (train.lora_rank) compiles the LoRA
   step: the adapters' state, donated, and the frozen base as a third argument."""
-  mesh = sharding.make_mesh(cfg.mesh, list(devices))
+  mesh = sharding.make_mesh(cfg.mesh, list(devices), cfg.model.moe_experts)
   model = model_lib.build_model(cfg.model)
   tx, schedule = optim.build_optimizer(cfg)
   task = task or (tasks.LMTask if cfg.data.task == "lm" else tasks.TranslationTask)

@@ -38,8 +38,11 @@ RULES = (
 )
 
 
-def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
-  """A (data, fsdp, tensor, expert) mesh over `devices` (default: all); one -1 axis takes the rest."""
+def make_mesh(cfg: MeshConfig, devices=None, experts: int = 0) -> Mesh:
+  """A (data, fsdp, tensor, expert) mesh over `devices` (default: all); one -1 axis takes the rest.
+
+  `experts` (model.moe_experts, 0 for a dense model) must divide over the expert axis once it is
+  resolved: config validation can only check a literal mesh.expert, not the -1 that takes the rest."""
   devices = jax.devices() if devices is None else devices
   sizes = [cfg.data, cfg.fsdp, cfg.tensor, cfg.expert]
   fixed = int(np.prod([s for s in sizes if s != -1]))
@@ -52,6 +55,10 @@ def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
   if int(np.prod(sizes)) != len(devices):
     raise UserError(f"mesh data={sizes[0]} x fsdp={sizes[1]} x tensor={sizes[2]} x expert={sizes[3]} needs "
                     f"{int(np.prod(sizes))} devices; {len(devices)} are available")
+  if experts and experts % sizes[3]:
+    given = "mesh.expert=-1 resolves to " if cfg.expert == -1 else "mesh.expert="
+    raise UserError(f"model.moe_experts={experts} must be a multiple of {given}{sizes[3]} (on {len(devices)} "
+                    f"devices): set mesh.expert to a divisor of {experts}")
   return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
 
 

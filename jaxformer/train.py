@@ -197,7 +197,7 @@ def setup(cfg, workdir, log=print):
   """Builds mesh, task, model, optimizer and the (restored or fresh) sharded state."""
   config_lib.check_backend(cfg.model, jax.default_backend())
   layers.log_attention_choices(log)  # which attention kernel each program runs, once per program
-  mesh = sharding.make_mesh(cfg.mesh)
+  mesh = sharding.make_mesh(cfg.mesh, experts=cfg.model.moe_experts)
   data_parallel = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
   # Multi-host: process 0 copies train.init_from's tokenizer, trains one or prepares the data (on
   # first use) before the others read them (a shared workdir would otherwise see concurrent writes). Each

@@ -14,6 +14,7 @@ import pytest
 from jaxformer import config as config_lib
 from jaxformer import model as model_lib
 from jaxformer import moe
+from jaxformer import sharding
 from jaxformer import tasks
 from jaxformer.errors import UserError
 
@@ -126,6 +127,19 @@ def test_bad_moe_settings_are_one_line_errors(overrides, message):
   assert "\n" not in str(err.value)
   with pytest.raises(UserError, match="decoder_only"):
     config_lib.load_config("tiny_encdec", ["model.moe_experts=4"])
+
+
+@pytest.mark.parametrize("dispatch", ["gspmd", "all_to_all"])
+def test_expert_axis_of_minus_one_is_resolved_before_the_divisibility_check(dispatch):
+  # 6 experts over 4 devices: config validation sees mesh.expert=-1 and cannot check it; the mesh does.
+  cfg = config_lib.load_config("llama_tiny", ["model.moe_experts=6", "mesh.data=1", "mesh.expert=-1",
+                                              f"model.moe_dispatch={dispatch}"])
+  four = jax.devices()[:1] * 4  # stand-ins: the check runs before a Mesh is built from them
+  with pytest.raises(UserError, match=r"model.moe_experts=6 must be a multiple of mesh.expert=-1 resolves to 4"
+                     ) as err:
+    sharding.make_mesh(cfg.mesh, four, cfg.model.moe_experts)
+  assert "\n" not in str(err.value)
+  assert sharding.make_mesh(cfg.mesh, jax.devices()[:1], cfg.model.moe_experts).shape["expert"] == 1
 
 
 @functools.partial(jax.jit, static_argnums=0)
