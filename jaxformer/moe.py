@@ -15,6 +15,10 @@ ranks before any token's second choice, and within one choice tokens rank in ord
 (row-major over [batch, length]), as in GShard/Switch. A copy ranked C or later at its
 expert is dropped: it adds nothing (the token keeps its residual), and the other copies'
 weights are not renormalised. The experts then run as one batched matmul on [experts, C, d].
+Capacity is a training-time device (a static buffer per expert, whatever the routing): with
+deterministic=True (evaluation, decoding, generation) the layer routes dropless, so a prompt's
+tokens never depend on which other prompts share its batch. Training sows the fraction of
+token copies dropped (`dropped_fraction`, logged as `moe_dropped_fraction`).
 
 Both modes sow the router statistics into the `intermediates` collection, which
 `aux_losses` reads: the load-balancing loss (Switch/Mixtral, HF's `load_balancing_loss_func`:
@@ -153,7 +157,7 @@ class MoEFeedForward(nn.Module):
       hidden = [matmul(h, w.astype(dtype)) for w in w_in]
       return matmul(_activation(cfg, hidden).astype(dtype), w_out.astype(dtype))
 
-    if cfg.moe_capacity_factor > 0:
+    if cfg.moe_capacity_factor > 0 and not deterministic:  # training only (see the module docstring)
       cap = capacity(cfg, n)
       rank, keep = capacity_slots(top_e, num_e, cap)
       slot = jnp.where(keep, top_e * cap + rank, num_e * cap)  # [n, k]; dropped -> out of range
@@ -163,6 +167,7 @@ class MoEFeedForward(nn.Module):
       out = ffn(buffer, lambda h, w: jnp.einsum("ecd,edf->ecf", h, w, preferred_element_type=jnp.float32))
       copies = out.reshape(num_e * cap, d).at[slot.reshape(-1)].get(mode="fill", fill_value=0)
       weights = weights * keep
+      self.sow("intermediates", "dropped_fraction", 1.0 - jnp.mean(keep.astype(jnp.float32)))
     elif cfg.moe_dispatch == "all_to_all" and _expert_axis_size() > 1:
       copies = all_to_all_dispatch(x.astype(dtype), top_e.reshape(batch, length, k), w_in, w_out, ffn)
       copies = copies.reshape(n * k, d)
@@ -277,10 +282,11 @@ def dense_reference(params, cfg: ModelConfig, x):
 
 def aux_losses(intermediates):
   """The router statistics `MoEFeedForward` sowed -> dict(load_balancing, z_loss: means over the
-  MoE layers; expert_fraction [experts]: mean fraction of token copies per expert). Empty without MoE."""
+  MoE layers; expert_fraction [experts]: mean fraction of token copies per expert; in capacity-mode
+  training, dropped_fraction: mean fraction of token copies dropped). Empty without MoE."""
   found = {}
   for path, value in traverse_util.flatten_dict(intermediates).items():
-    if path[-1] in ("load_balancing", "z_loss", "expert_fraction"):
+    if path[-1] in ("load_balancing", "z_loss", "expert_fraction", "dropped_fraction"):
       for v in value:  # sow keeps a tuple per call; nn.scan stacks layers on axis 0
         found.setdefault(path[-1], []).append(v.reshape(-1, v.shape[-1]) if path[-1] == "expert_fraction"
                                               else v.reshape(-1))

@@ -230,6 +230,19 @@ def test_generate_greedy_matches_full_recompute_of_each_prompt_alone(name):
     np.testing.assert_array_equal(alone[0], row)
 
 
+def test_a_capacity_mode_moe_decodes_dropless_whatever_shares_its_batch():
+  # Capacity (0.5: about half the copies dropped in training) is a training-time device: decoding routes
+  # dropless, so prompt A's tokens do not depend on a longer prompt beside it (they did: issue 34, item 8).
+  capped, params = _setup("llama_tiny", ("model.moe_experts=4", "model.moe_capacity_factor=0.5"))
+  dropless, _ = _setup("llama_tiny", ("model.moe_experts=4",))
+  batch = [PROMPTS[0], PROMPTS[1]]
+  together = decode.generate(capped, params, batch, 6, jax.random.key(0), temperature=0)
+  alone = decode.generate(capped, params, batch[:1], 6, jax.random.key(0), temperature=0)
+  np.testing.assert_array_equal(alone[0], together[0])
+  np.testing.assert_array_equal(together, decode.generate(dropless, params, batch, 6, jax.random.key(0),
+                                                          temperature=0))
+
+
 def test_top_k_filter():
   logits = jnp.array([[1.0, 4.0, 3.0, -2.0, 0.5], [0.0, -1.0, 2.0, 1.0, 3.0]])
   kept = np.isfinite(np.asarray(decode.top_k_filter(logits, 2)))

@@ -30,9 +30,10 @@ def _init(cfg, x, seed=0):
   return params
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _apply(cfg, params, x):
-  y, sown = moe.MoEFeedForward(cfg).apply({"params": params}, x, mutable=["intermediates"])
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _apply(cfg, params, x, deterministic=False):
+  """The layer as training runs it (deterministic=False: capacity mode applies)."""
+  y, sown = moe.MoEFeedForward(cfg).apply({"params": params}, x, deterministic, mutable=["intermediates"])
   return y, moe.aux_losses(sown["intermediates"])
 
 
@@ -90,8 +91,13 @@ def test_capacity_mode_drops_exactly_the_copies_its_rule_names(factor):
         one = {k: v[e:e + 1] for k, v in params.items() if k != "router"}
         hidden = [tokens[t] @ one[n][0] for n in ("wi_gate", "wi_up")]
         want[t] += float(weights[t, j]) * np.asarray(moe._activation(cfg, hidden) @ one["wo"][0])
-  y, _ = _apply(cfg, params, x)
+  y, stats = _apply(cfg, params, x)
   np.testing.assert_allclose(np.asarray(y).reshape(tokens.shape), want, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(stats["dropped_fraction"], 1 - kept.mean(), rtol=1e-6)  # logged by training
+  # Evaluation and decoding (deterministic) route dropless: every expert's share, nothing dropped.
+  y, stats = _apply(cfg, params, x, deterministic=True)
+  np.testing.assert_allclose(y, moe.dense_reference(params, cfg, x), atol=1e-5, rtol=1e-5)
+  assert "dropped_fraction" not in stats
 
 
 def test_router_statistics_match_their_formulas():
