@@ -82,9 +82,10 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
   return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def compile_template(text):
+def compile_template(text, name="the chat template"):
   """A jinja2 template in transformers' environment (transformers 5.x `_compile_jinja_template`):
-  sandboxed, trim_blocks and lstrip_blocks, loop controls, `raise_exception`, a json `tojson`."""
+  sandboxed, trim_blocks and lstrip_blocks, loop controls, `raise_exception`, a json `tojson`.
+  name: where the text came from (a file path, or a built-in's name), for the one-line syntax error."""
   env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                      extensions=[_Generation, jinja2.ext.loopcontrols])
   env.filters["tojson"] = _tojson
@@ -92,7 +93,7 @@ def compile_template(text):
   try:
     return env.from_string(text)
   except jinja2.TemplateSyntaxError as e:
-    raise UserError(f"the chat template does not parse (line {e.lineno}): {e.message}") from None
+    raise UserError(f"chat template {name} does not parse (line {e.lineno} of the template): {e.message}") from None
 
 
 class ChatTemplate:
@@ -100,22 +101,29 @@ class ChatTemplate:
 
   def __init__(self, text, special, name):
     self.text, self.special, self.name = text, dict(special), name
-    self.template = compile_template(text)
+    self.template = compile_template(text, name)
 
-  def render(self, messages, add_generation_prompt=False):
-    """The conversation as text, as transformers' `apply_chat_template(..., tokenize=False)` gives it."""
+  def _failed(self, e, where):
+    """The one-line error of a failed rendering: the record (`where`, its file:line), the template, the cause.
+    `raise_exception(...)` in the template is a TemplateError carrying the template's own message."""
+    cause = str(e) if isinstance(e, jinja2.TemplateError) else f"{type(e).__name__}: {e}"
+    return UserError(f"{where + ': ' if where else ''}chat template {self.name}: {cause}")
+
+  def render(self, messages, add_generation_prompt=False, where=""):
+    """The conversation as text, as transformers' `apply_chat_template(..., tokenize=False)` gives it.
+    where: the record's "file:line", named by any error the template raises."""
     try:
       return self.template.render(messages=messages, tools=None, documents=None,
                                   add_generation_prompt=add_generation_prompt, **self.special)
-    except jinja2.TemplateError as e:
-      raise UserError(f"chat template {self.name}: {e}") from None
+    except Exception as e:  # the template is the user's code: whatever it raises is one line, never a traceback
+      raise self._failed(e, where) from None
 
   @property
   def marks_generation(self):
     """Whether the template marks the assistant's text with {% generation %} blocks."""
     return bool(_GENERATION_TAG.search(self.text))
 
-  def render_spans(self, messages):
+  def render_spans(self, messages, where=""):
     """(text, [(start, end)] character spans of its {% generation %} blocks), as transformers finds them."""
     blocks, spans = [], []
     token = _TRACKING.set((blocks, spans))
@@ -123,8 +131,8 @@ class ChatTemplate:
       for block in self.template.generate(messages=messages, tools=None, documents=None,
                                           add_generation_prompt=False, **self.special):
         blocks.append(block)
-    except jinja2.TemplateError as e:
-      raise UserError(f"chat template {self.name}: {e}") from None
+    except Exception as e:
+      raise self._failed(e, where) from None
     finally:
       _TRACKING.reset(token)
     return "".join(blocks), spans
@@ -180,21 +188,36 @@ def load_template(spec, tokenizer_path, hf_tokenizer):
   return ChatTemplate(template, special, path)
 
 
-def _check_messages(messages, where):
-  if not isinstance(messages, list) or not messages:
-    raise UserError(f"{where}: `messages` must be a non-empty list of {{\"role\", \"content\"}}")
-  for m in messages:
-    if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-      raise UserError(f"{where}: each message needs a string `role` and `content`, got {str(m)[:80]}")
+def _shown(value, limit=60):
+  """A record's value as JSON, cut to `limit` characters, for an error line."""
+  text = json.dumps(value, ensure_ascii=False)
+  return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _check_messages(messages, where, key="messages"):
+  """A one-line error (naming `where`, the record's file:line, and the record's `key`) unless `messages`
+  is a non-empty list of {"role": str, "content": str} objects: what every template may assume."""
+  if isinstance(messages, list) and not messages:
+    raise UserError(f"{where}: `{key}` is empty; it needs at least one {{\"role\", \"content\"}} message")
+  if not isinstance(messages, list):
+    raise UserError(f"{where}: `{key}` must be a list of {{\"role\", \"content\"}} messages, got {_shown(messages)}")
+  for i, m in enumerate(messages):
+    if not isinstance(m, dict):
+      raise UserError(f"{where}: `{key}[{i}]` must be a {{\"role\", \"content\"}} object, got {_shown(m)}")
+    for field in ("role", "content"):
+      if not isinstance(m.get(field), str):
+        got = f"got {_shown(m[field])}" if field in m else "it has none"
+        raise UserError(f"{where}: `{key}[{i}]` needs a string `{field}`, {got}")
 
 
 def conversation_pieces(template, messages, loss_on, where=""):
   """[(text, in the loss)] whose concatenation is `template.render(messages)`.
 
   loss_on: assistant (every assistant turn), completion (the last one), all (every token).
+  where: the record's "file:line", named by every error about it.
   """
   _check_messages(messages, where)
-  full = template.render(messages)
+  full = template.render(messages, where=where)
   if loss_on == "all":
     return [(full, True)]
   turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
@@ -202,12 +225,12 @@ def conversation_pieces(template, messages, loss_on, where=""):
     turns = turns[-1:]
   spans = []
   if template.marks_generation:  # the template says where the assistant's text is (TRL's assistant_only_loss)
-    text, spans = template.render_spans(messages)
+    text, spans = template.render_spans(messages, where)
     spans = spans[-1:] if loss_on == "completion" else spans
     turns = []
   for i in turns:
-    start = template.render(messages[:i], add_generation_prompt=True) if i else ""
-    upto = template.render(messages[:i + 1])
+    start = template.render(messages[:i], add_generation_prompt=True, where=where) if i else ""
+    upto = template.render(messages[:i + 1], where=where)
     if not (upto.startswith(start) and full.startswith(upto)):
       raise UserError(f"{where}: chat template {template.name} does not render the conversation's prefixes as "
                       f"prefixes of it (turn {i}), so the assistant's tokens cannot be located; "
@@ -233,23 +256,26 @@ def record_pieces(template, record, loss_on, eos_id, where=""):
   `return_assistant_tokens_mask`); for others the spans come from rendering prefixes.
   Plain-text prompt/completion is not templated (TRL's "standard" form): prompt + completion
   + EOS, the loss on the completion and its EOS (or on everything with loss_on=all).
+  where: the record's "file:line"; every malformed record is a one-line error naming it.
   """
   if not isinstance(record, dict):
-    raise UserError(f"{where}: expected a JSON object with `messages` or `prompt`/`completion`")
+    raise UserError(f"{where}: expected a JSON object with `messages` or `prompt`/`completion`, got {_shown(record)}")
   if "messages" in record:
     return conversation_pieces(template, record["messages"], loss_on, where)
   if "prompt" in record and "completion" in record:
     prompt, completion = record["prompt"], record["completion"]
     if isinstance(prompt, list) and isinstance(completion, list):  # conversational prompt-completion
-      _check_messages(prompt, where)
-      full = template.render(prompt + completion)
-      head = template.render(prompt, add_generation_prompt=True)
+      _check_messages(prompt, where, "prompt")
+      _check_messages(completion, where, "completion")
+      full = template.render(prompt + completion, where=where)
+      head = template.render(prompt, add_generation_prompt=True, where=where)
       if not full.startswith(head):
         raise UserError(f"{where}: chat template {template.name} does not render the prompt as a prefix of "
                         "the conversation; use data.loss_on=all or another template")
       return [(head, loss_on == "all"), (full[len(head):], True)]
     if not isinstance(prompt, str) or not isinstance(completion, str):
-      raise UserError(f"{where}: `prompt` and `completion` must both be strings or both message lists")
+      raise UserError(f"{where}: `prompt` and `completion` must both be strings or both message lists "
+                      f"(got {type(prompt).__name__} and {type(completion).__name__})")
     return [(prompt, loss_on == "all"), (completion, True), (eos_id, True)]
   raise UserError(f"{where}: a record needs `messages` or `prompt` and `completion` (keys: {', '.join(record)})")
 
@@ -283,29 +309,38 @@ def encode_pieces(tokenizer, pieces, hf_tokenizer):
 
 def preference_pieces(template, record, eos_id, where=""):
   """(chosen pieces, rejected pieces), each the whole sequence, of a DPO record: `prompt` (text or
-  messages) and `chosen`/`rejected` (text, or assistant message lists)."""
+  messages) and `chosen`/`rejected` (text, or assistant message lists; text after a message-list
+  prompt is one assistant message). where: the record's "file:line", named by every error about it."""
   if not isinstance(record, dict) or not all(k in record for k in ("prompt", "chosen", "rejected")):
-    raise UserError(f"{where}: a preference record needs `prompt`, `chosen` and `rejected`")
+    keys = f"keys: {', '.join(record)}" if isinstance(record, dict) else f"got {_shown(record)}"
+    raise UserError(f"{where}: a preference record needs `prompt`, `chosen` and `rejected` ({keys})")
   prompt = record["prompt"]
   out = []
   for key in ("chosen", "rejected"):
     answer = record[key]
     if isinstance(prompt, list):  # conversational: the template renders prompt + answer
-      messages = prompt + (answer if isinstance(answer, list) else [{"role": "assistant", "content": answer}])
-      pieces = record_pieces(template, {"prompt": prompt, "completion": messages[len(prompt):]}, "completion",
-                             eos_id, where)
+      _check_messages(prompt, where, "prompt")
+      if isinstance(answer, str):
+        answer = [{"role": "assistant", "content": answer}]
+      elif not isinstance(answer, list):
+        raise UserError(f"{where}: `{key}` must be a string or a list of messages, got {_shown(answer)}")
+      _check_messages(answer, where, key)
+      pieces = record_pieces(template, {"prompt": prompt, "completion": answer}, "completion", eos_id, where)
     elif isinstance(prompt, str) and isinstance(answer, str):
       pieces = [(prompt, False), (answer, True), (eos_id, True)]
+    elif isinstance(prompt, str):
+      raise UserError(f"{where}: `prompt` is a string, so `{key}` must be one too, got {_shown(answer)}")
     else:
-      raise UserError(f"{where}: `prompt`, `chosen` and `rejected` must be strings, or a message list prompt")
+      raise UserError(f"{where}: `prompt` must be a string or a list of messages, got {_shown(prompt)}")
     out.append(pieces)
   return tuple(out)
 
 
-def read_jsonl(path):
-  """Yields (where, record) for each non-blank line of a JSON-lines file; bad JSON is a one-line error."""
+def read_jsonl(path, key="data.chat_path"):
+  """Yields (where, record) for each non-blank line of a JSON-lines file, where = "path:line";
+  bad JSON is a one-line error, and so is a missing file, named by the setting `key` that gave it."""
   if not os.path.isfile(path):
-    raise UserError(f"data.chat_path={path}: file not found")
+    raise UserError(f"{key}={path}: file not found")
   with open(path, encoding="utf-8") as f:
     for n, line in enumerate(f, 1):
       if not line.strip():
@@ -328,41 +363,49 @@ def fields(cfg):
 
 
 class _LazyTemplate:
-  """The run's ChatTemplate, loaded when a record first needs one (plain prompt/completion needs none)."""
+  """The run's ChatTemplate, or the one-line error loading it gave, raised when a record first needs
+  a template (plain-text prompt/completion data needs none, so a run without one can still prepare it)."""
 
-  def __init__(self, load):
-    self._load, self._template = load, None
+  def __init__(self, template, error):
+    self._template, self._error = template, error
 
   def __getattr__(self, name):
     if self._template is None:
-      self._template = self._load()
+      raise self._error
     return getattr(self._template, name)
 
 
-def _stat(path):
-  st = os.stat(path)
-  return [os.path.abspath(path), st.st_size, st.st_mtime_ns]
+# The version of what `_settings` records: data prepared under another version is not reused.
+# chat-2: input files by content (sha256), the template's special tokens, data.shard_tokens.
+SETTINGS_FORMAT = "chat-2"
 
 
-def _settings(cfg, tok_path, template_text):
-  """What the shards depend on; a mismatch is a one-line error (`ensure_prepared`)."""
-  import hashlib
+def _content(path):
+  """An input file's identity for the settings: its size and sha256 (its content, whatever its name or date)."""
   from jaxformer import prepare
+  return {"bytes": os.path.getsize(path), "sha256": prepare.file_sha256(path)}
+
+
+def _settings(cfg, tok_path, tokenizer, template):
+  """What the shards depend on, by override name; a complete manifest with others is refused in one line,
+  an incomplete one is prepared again (`ensure_prepared`). template: a ChatTemplate, or None (none loads)."""
+  import hashlib
+  from jaxformer import prepare, sources
   d = cfg.data
-  return {"format": "chat-1", "objective": cfg.train.objective, "loss_on": d.loss_on,
-          "chat_path": _stat(d.chat_path) if os.path.isfile(d.chat_path) else d.chat_path,
-          "chat_val_path": _stat(d.chat_val_path) if d.chat_val_path and os.path.isfile(d.chat_val_path) else "",
-          "train_fraction": d.train_fraction, "add_bos": d.add_bos, "chat_template": d.chat_template,
-          "template_sha256": hashlib.sha256(template_text.encode()).hexdigest(),
-          "tokenizer_sha256": prepare.file_sha256(tok_path),
-          "ids": [cfg.model.pad_id, cfg.model.bos_id, cfg.model.eos_id]}
-
-
-def _template_text(cfg, tok_path, hf):
-  try:
-    return load_template(cfg.data.chat_template, tok_path, hf).text
-  except UserError:
-    return ""  # plain prompt/completion data needs no template; a record that does says so
+  for key in ("data.chat_path", "data.chat_val_path"):  # a missing file is named by the setting that gave it
+    path = getattr(d, key.split(".")[1])
+    if path and not os.path.isfile(path):
+      raise UserError(f"{key}={path}: file not found")
+  rendering = json.dumps([template.text, template.special], sort_keys=True) if template is not None else None
+  return {"format": SETTINGS_FORMAT, "train.objective": cfg.train.objective, "data.loss_on": d.loss_on,
+          "data.chat_path": _content(d.chat_path), "data.chat_val_path": _content(d.chat_val_path) if d.chat_val_path
+          else None, "data.train_fraction": d.train_fraction, "data.add_bos": d.add_bos,
+          "data.shard_tokens": d.shard_tokens, "data.chat_template": d.chat_template,
+          # the text and special-token strings the template renders with, wherever they came from
+          "template_sha256": hashlib.sha256(rendering.encode()).hexdigest() if rendering else None,
+          "tokenizer": {"sha256": prepare.file_sha256(tok_path), "vocab_size": tokenizer.vocab_size},
+          "model.pad_id/bos_id/eos_id": [cfg.model.pad_id, cfg.model.bos_id, cfg.model.eos_id],
+          "split_seed": sources.SEED}
 
 
 def encode_record(cfg, tokenizer, template, record, where, hf):
@@ -381,14 +424,56 @@ def encode_record(cfg, tokenizer, template, record, where, hf):
   return out
 
 
+def _shown_setting(value):
+  if isinstance(value, dict) and "sha256" in value:
+    return "sha256 " + value["sha256"][:12]
+  return _shown(value, 40)
+
+
+def _check(manifest, settings, ddir):
+  """A one-line error unless the complete `manifest` was prepared with `settings`."""
+  old = manifest.get("chat", {}).get("settings")
+  if old is None:
+    raise UserError(f"{ddir} holds data prepared for pretraining, not fine-tuning data: set data.data_dir to "
+                    "another folder")
+  for key, value in settings.items():
+    if old.get(key) != value:
+      raise UserError(f"{ddir} was prepared with other fine-tuning data or settings ({key}: "
+                      f"{_shown_setting(old.get(key))}, now {_shown_setting(value)}): delete {ddir} to prepare it "
+                      "again, or set data.data_dir to another folder")
+
+
+def _split_records(cfg):
+  """{"train": [(where, record)], "val": [...]}: the held-out records are data.chat_val_path's, or a seeded
+  1 - data.train_fraction of data.chat_path's."""
+  from jaxformer import sources
+  d = cfg.data
+  records = {"train": [], "val": []}
+  rng = np.random.default_rng(sources.SEED)
+  for where, record in read_jsonl(d.chat_path, "data.chat_path"):
+    held_out = not d.chat_val_path and rng.random() >= d.train_fraction
+    records["val" if held_out else "train"].append((where, record))
+  if d.chat_val_path:
+    records["val"] = list(read_jsonl(d.chat_val_path, "data.chat_val_path"))
+  return records
+
+
 def ensure_prepared(cfg, workdir, log=print):
   """The manifest of the run's fine-tuning shards (`data.chat_path`), preparing them first if needed.
 
   Splits: train, and val (data.chat_val_path, or a seeded 1 - data.train_fraction of the
   records). Each record is one document of every field; an example with no loss token is
   kept on disk, counted and reported (the batchers drop it); a split with none is an error.
+
+  As `prepare.prepare` does, the manifest is written first with `complete: false` and the
+  settings, then the shards, then the manifest again, complete. A complete manifest with other
+  settings (input files' content, template, data.loss_on, tokenizer, ...) is a one-line error;
+  anything less than complete (a failed or interrupted run's folder) is prepared again from
+  scratch, never resumed. Every record of both splits is validated and rendered before any
+  shard is written, under the lock pretraining takes, so two runs preparing one data.data_dir
+  at once prepare it once.
   """
-  from jaxformer import prepare, shards, sources, tokenizer as tokenizer_lib
+  from jaxformer import prepare, shards, tokenizer as tokenizer_lib
   d = cfg.data
   ddir, tok_path = prepare.data_dir(cfg, workdir), prepare.tokenizer_path(cfg, workdir)
   if tok_path != "byte" and not os.path.isfile(tok_path):
@@ -396,54 +481,72 @@ def ensure_prepared(cfg, workdir, log=print):
                     "WORKDIR (its tokenizer is copied), data.tokenizer_path=FILE or data.tokenizer=byte")
   tokenizer = prepare.load_run_tokenizer(cfg, tok_path)
   hf = isinstance(tokenizer, tokenizer_lib.HFTokenizer)
-  settings = _settings(cfg, tok_path, _template_text(cfg, tok_path, hf))
+  try:
+    loaded, error = load_template(d.chat_template, tok_path, hf), None
+  except UserError as e:
+    loaded, error = None, e
+  settings = _settings(cfg, tok_path, tokenizer, loaded)
   manifest = shards.read_manifest(ddir)
-  if manifest and manifest.get("complete"):
-    for key, value in settings.items():
-      if manifest.get("chat", {}).get("settings", {}).get(key) != value:
-        raise UserError(f"{ddir} was prepared with other fine-tuning data or settings ({key} differs): delete "
-                        f"{ddir} to prepare it again, or set data.data_dir to another folder")
+  if manifest and manifest.get("complete"):  # prepared: checked without waiting for the lock
+    _check(manifest, settings, ddir)
     return manifest
-  template = _LazyTemplate(lambda: load_template(d.chat_template, tok_path, hf))
+  os.makedirs(ddir, exist_ok=True)
+  with prepare.locked(ddir):  # another run preparing this folder finishes first
+    manifest = shards.read_manifest(ddir)
+    if manifest is not None and manifest.get("complete"):
+      _check(manifest, settings, ddir)
+      return manifest
+    if manifest is not None and "chat" not in manifest:  # pretraining's unfinished shards: not ours to delete
+      raise UserError(f"{ddir} holds pretraining data not yet fully prepared: finish it with python -m "
+                      "jaxformer.prepare, or set data.data_dir to another folder")
+    return _prepare(cfg, ddir, tok_path, tokenizer, _LazyTemplate(loaded, error), settings, hf, log)
+
+
+def _prepare(cfg, ddir, tok_path, tokenizer, template, settings, hf, log):
+  """Writes the shards of `ensure_prepared` into `ddir` (held under its lock) from scratch."""
+  import shutil
+  from jaxformer import prepare, shards
+  d = cfg.data
   names = fields(cfg)
   dtype = shards.token_dtype(tokenizer.vocab_size)
-  os.makedirs(ddir, exist_ok=True)
-  records = {"train": [], "val": []}
-  rng = np.random.default_rng(sources.SEED)
-  for where, record in read_jsonl(d.chat_path):
-    held_out = not d.chat_val_path and rng.random() >= d.train_fraction
-    records["val" if held_out else "train"].append((where, record))
-  if d.chat_val_path:
-    records["val"] = list(read_jsonl(d.chat_val_path))
-  summary, counts = {}, {}
-  for split, items in records.items():
+  header = {"format": shards.FORMAT, "complete": False, "dtype": dtype.name, "fields": list(names),
+            "tokenizer": {"path": os.path.abspath(tok_path) if tok_path != "byte" else "byte",
+                          "sha256": settings["tokenizer"]["sha256"], "vocab_size": tokenizer.vocab_size},
+            "chat": {"settings": settings}}
+  # First: a run stopped from here on leaves a folder known to be incomplete, so the next one prepares it again.
+  prepare._atomic_json(os.path.join(ddir, shards.MANIFEST), header)
+  encoded, counts = {}, {}
+  for split, items in _split_records(cfg).items():  # every record, both splits, before anything is written
     if not items:
       continue
-    writer = prepare._Writer(ddir, split, names, dtype, d.shard_tokens, keep_text=False)
     columns = [[] for _ in names]
     for where, record in items:
       for f, array in enumerate(encode_record(cfg, tokenizer, template, record, where, hf)):
         columns[f].append(array)
-    masks = [m for f, ms in enumerate(columns) if names[f].endswith("mask") for m in ms]
     n = len(items)
-    empty = sum(1 for k in range(n) if not any(columns[f][k][1:].any() for f in range(len(names))
-                                               if names[f].endswith("mask")))
+    mask_columns = [c for name, c in zip(names, columns) if name.endswith("mask")]
+    empty = sum(1 for k in range(n) if not any(c[k][1:].any() for c in mask_columns))
     counts[split] = {"examples": n, "empty_mask": empty, "tokens": int(sum(len(a) for a in columns[0])),
-                     "loss_tokens": int(sum(int(m.sum()) for m in masks))}
+                     "loss_tokens": int(sum(int(m.sum()) for c in mask_columns for m in c))}
+    encoded[split] = columns
+  if "train" not in counts or counts["train"]["empty_mask"] == counts["train"]["examples"]:
+    raise UserError(f"{d.chat_path}: no training example has a token to train on (data.loss_on={d.loss_on}"
+                    + (": no record has an assistant turn" if "train" in counts else ": no records") + ")")
+  summary = {}
+  for split in ("train", "val"):
+    # From scratch: `_Writer` keeps the complete shards it finds, which here are another preparation's.
+    shutil.rmtree(os.path.join(ddir, split), ignore_errors=True)
+    if split not in encoded:
+      continue
+    columns, n = encoded[split], counts[split]["examples"]
+    writer = prepare._Writer(ddir, split, names, dtype, d.shard_tokens, keep_text=False)
     writer.add(np.arange(n, dtype=np.int64),
                [(np.concatenate(c).astype(dtype), np.fromiter(map(len, c), np.int64, n)) for c in columns])
     writer.close()
     summary[split] = writer.summary()
-  if "train" not in counts or counts["train"]["empty_mask"] == counts["train"]["examples"]:
-    raise UserError(f"{d.chat_path}: no training example has a token to train on (data.loss_on={d.loss_on}"
-                    + (": no record has an assistant turn" if "train" in counts else ": no records") + ")")
   for split, c in counts.items():
     log(f"{split}: {c['examples']:,} examples, {c['tokens']:,} tokens, {c['loss_tokens']:,} in the loss "
         f"(data.loss_on={d.loss_on}); {c['empty_mask']:,} with no loss token (no assistant turn) skipped")
-  manifest = {"format": shards.FORMAT, "complete": True, "dtype": dtype.name, "fields": list(names),
-              "splits": summary, "tokenizer": {"path": os.path.abspath(tok_path) if tok_path != "byte" else "byte",
-                                               "sha256": settings["tokenizer_sha256"],
-                                               "vocab_size": tokenizer.vocab_size},
-              "chat": {"settings": settings, "counts": counts}}
+  manifest = {**header, "complete": True, "splits": summary, "chat": {"settings": settings, "counts": counts}}
   prepare._atomic_json(os.path.join(ddir, shards.MANIFEST), manifest)
   return manifest

@@ -38,6 +38,7 @@ run again).
 
 import argparse
 import collections
+import contextlib
 import fcntl
 import hashlib
 import itertools
@@ -94,6 +95,16 @@ def with_model_ids(cfg, tokenizer):
 def load_run_tokenizer(cfg, path):
   """The tokenizer at `path`, with the model's special ids."""
   return with_model_ids(cfg, tokenizer_lib.load_tokenizer(path))
+
+
+@contextlib.contextmanager
+def locked(ddir):
+  """Holds the exclusive lock on the prepared-data folder `ddir` (an flock on `ddir/.lock`, which must
+  exist as a folder): pretraining (`prepare`) and fine-tuning (`chat.ensure_prepared`) take it to
+  prepare, so another run preparing the same folder waits for it, then finds the data prepared."""
+  with open(os.path.join(ddir, ".lock"), "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    yield
 
 
 # ----------------------------------------------------------------------------
@@ -576,8 +587,7 @@ def prepare(cfg, workdir, log=print, source=None):
     tokenizer = train_tokenizer(cfg, source, streams, tok_path, log)
   spec = encoding(cfg, with_model_ids(cfg, tokenizer), tok_path, source)
   os.makedirs(ddir, exist_ok=True)
-  with open(os.path.join(ddir, ".lock"), "w") as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)  # another run preparing the same folder finishes first
+  with locked(ddir):  # another run preparing the same folder finishes first
     header = {"format": shards.FORMAT, "tokenizer": {"kind": d.tokenizer, "path": os.path.abspath(tok_path)
                                                      if tok_path != "byte" else "byte",
                                                      "sha256": file_sha256(tok_path),

@@ -1,6 +1,7 @@
 """SFT and DPO data and objectives: golden chat renderings and masks (TRL's style), packing, the DPO loss."""
 
 import json
+import re
 import os
 
 import flax.linen as nn
@@ -47,12 +48,32 @@ def test_rendering_and_tokens_equal_transformers(case, hf_tok):
     assert len(mask) == len(ids) and (loss_on != "all" or mask.all())
 
 
-def test_raise_exception_is_one_line(hf_tok):
+def test_raise_exception_is_one_line(tmp_path):
+  """A template's raise_exception(...) on a record: one line naming the record's file and line (as README says),
+  the template's file and its message; so is anything else a template raises on a record (a TypeError here)."""
   (case,) = cases(error=True)
-  template = fixture_template(case["template"])
-  with pytest.raises(UserError, match="roles must alternate") as e:
-    chat.conversation_pieces(template, EXPECTED["conversations"][case["conversation"]], "assistant")
-  assert "\n" not in str(e.value) and case["error"] in str(e.value)
+  template = tmp_path / "mistral.jinja"
+  template.write_text(EXPECTED["templates"][case["template"]])
+  path = tmp_path / "chats.jsonl"
+  write_jsonl(path, [{"messages": EXPECTED["conversations"][0]}, {"messages": EXPECTED["conversations"][case["conversation"]]}])
+  cfg = sft_config(tmp_path, f"data.chat_path={path}", f"data.chat_template={template}")
+  with pytest.raises(UserError) as e:
+    chat.ensure_prepared(cfg, str(tmp_path / "run"), log=QUIET)
+  assert str(e.value) == f"{path}:2: chat template {template}: {case['error']}"
+  template.write_text("{{ messages[0]['content'] + 1 }}")
+  with pytest.raises(UserError) as e:
+    chat.ensure_prepared(cfg, str(tmp_path / "run2"), log=QUIET)
+  assert str(e.value).startswith(f"{path}:1: chat template {template}: TypeError: ") and "\n" not in str(e.value)
+
+
+def test_a_template_that_does_not_parse_names_its_file(tmp_path):
+  template = tmp_path / "broken.jinja"
+  template.write_text("{% for message in messages %}\n{{ message['content'] }}\n{% if %}")
+  cfg = sft_config(tmp_path, f"data.chat_template={template}")
+  with pytest.raises(UserError, match=rf"^chat template {re.escape(str(template))} does not parse \(line 3 of the "
+                     r"template\): ") as e:
+    chat.ensure_prepared(cfg, str(tmp_path / "run"), log=QUIET)
+  assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("case", [c for c in cases() if "assistant_masks" in c], ids=lambda c: str(c["conversation"]))
@@ -304,3 +325,162 @@ def test_builtin_template_with_a_tokenizer_json_ends_turns_in_the_model_eos(hf_t
   ids, mask = chat.encode_pieces(tok, chat.conversation_pieces(template, EXPECTED["conversations"][0], "assistant"),
                                  True)
   assert ids[mask == 1].tolist() == tok.encode("three two one") + [eot]
+
+
+# ----------------------------------------------------------------------------
+# Preparing: never reusing what another preparation left; malformed records are one line naming file:line.
+
+
+def shard_tokens(ddir, manifest, split="train", field="text"):
+  """The tokens of a split's field as the shards hold them: [examples] arrays."""
+  from jaxformer import shards
+  return [np.asarray(x) for x in shards.TokenStream(ddir, split, field, manifest).documents()]
+
+
+def expected_tokens(cfg, path):
+  """The ids each record of `path` gives under `cfg`'s template, rendered here independently of the shards."""
+  tok = tokenizer_lib.ByteTokenizer()
+  template = chat.load_template(cfg.data.chat_template, "byte", False)
+  return [chat.encode_record(cfg, tok, template, r, w, False)[0] for w, r in chat.read_jsonl(path)]
+
+
+def test_a_failed_prepare_is_prepared_again_not_reused(tmp_path):
+  """Issue 34's scenario: a bad validation record after good training records is one line and writes no
+  shard; the next run (fixed file, another template) prepares from scratch with its own template, never
+  keeping the failed run's train shard (which it did, under a manifest naming the new template)."""
+  good, val_bad, val_good = tmp_path / "good.jsonl", tmp_path / "val_bad.jsonl", tmp_path / "val_good.jsonl"
+  write_jsonl(good, synthetic.reverse_words_records(20))
+  write_jsonl(val_good, synthetic.reverse_words_records(3))
+  write_jsonl(val_bad, synthetic.reverse_words_records(3) + [{"messages": [{"role": "user", "content": 5}]}])
+  cfg = lambda *o: sft_config(tmp_path, f"data.chat_path={good}", *o)
+  workdir, ddir = str(tmp_path / "run"), str(tmp_path / "run" / "data")
+  with pytest.raises(UserError, match=rf"^{re.escape(str(val_bad))}:4: `messages\[0\]` needs a string `content`, got 5$"):
+    chat.ensure_prepared(cfg(f"data.chat_val_path={val_bad}"), workdir, log=QUIET)
+  assert not os.path.exists(os.path.join(ddir, "train"))  # every record is checked before a shard is written
+  chatml = cfg(f"data.chat_val_path={val_good}", "data.chat_template=chatml")
+  manifest = chat.ensure_prepared(chatml, workdir, log=QUIET)
+  want = expected_tokens(chatml, str(good))
+  got = shard_tokens(ddir, manifest)
+  assert [g.tolist() for g in got] == [w.tolist() for w in want]
+  assert manifest["chat"]["counts"]["train"]["tokens"] == sum(map(len, got)) == manifest["splits"]["train"]["tokens"]["text"]
+  marker = os.path.join(ddir, "train", "shard-00000.json")
+  written = os.stat(marker).st_mtime_ns
+  assert chat.ensure_prepared(chatml, workdir, log=QUIET) == manifest and os.stat(marker).st_mtime_ns == written  # reused
+  # An interrupted preparation (shards on disk, the manifest not complete) is prepared again, with this run's template.
+  with open(os.path.join(ddir, "manifest.json")) as f:
+    header = {**json.load(f), "complete": False}
+  with open(os.path.join(ddir, "manifest.json"), "w") as f:
+    json.dump(header, f)
+  plain = cfg(f"data.chat_val_path={val_good}")
+  manifest = chat.ensure_prepared(plain, workdir, log=QUIET)
+  assert [g.tolist() for g in shard_tokens(ddir, manifest)] == [w.tolist() for w in expected_tokens(plain, str(good))]
+  assert manifest["chat"]["settings"]["data.chat_template"] == "plain"
+
+
+@pytest.mark.parametrize("change,key", [("data.chat_template=chatml", "data.chat_template"),
+                                        ("data.loss_on=all", "data.loss_on"),
+                                        ("content", "data.chat_path"),
+                                        ("tokenizer", "tokenizer")])
+def test_prepared_with_other_settings_is_one_line(tmp_path, change, key):
+  """A complete manifest is reused only with the same template, data.loss_on, tokenizer and file content."""
+  cfg = sft_config(tmp_path, records=synthetic.reverse_words_records(12))
+  workdir = str(tmp_path / "run")
+  chat.ensure_prepared(cfg, workdir, log=QUIET)
+  overrides = []
+  if change == "content":  # the same size and date, other text: only its sha256 tells
+    path = tmp_path / "sft.jsonl"
+    stat, text = os.stat(path), path.read_text()
+    path.write_text(text.replace("reverse", "esrever", 1))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+  elif change == "tokenizer":  # a char tokenizer file in place of the byte one
+    tok_file = tmp_path / "tokenizer.json"
+    tokenizer_lib.load_or_train_tokenizer("char", str(tok_file), ["Assistant: User reverse"], None)
+    overrides += ["data.tokenizer=char", f"data.tokenizer_path={tok_file}"]
+  else:
+    overrides.append(change)
+  with pytest.raises(UserError, match=rf"was prepared with other fine-tuning data or settings \({re.escape(key)}: ") as e:
+    chat.ensure_prepared(sft_config(tmp_path, *overrides), workdir, log=QUIET)
+  assert "\n" not in str(e.value)
+
+
+def test_two_runs_preparing_one_folder_wait_for_each_other(tmp_path):
+  """chat.ensure_prepared takes the data folder's lock (pretraining's): held elsewhere, it waits."""
+  import threading
+  from jaxformer import prepare
+  cfg = sft_config(tmp_path, records=synthetic.reverse_words_records(12))
+  ddir = tmp_path / "run" / "data"
+  ddir.mkdir(parents=True)
+  done = []
+  with prepare.locked(str(ddir)):
+    t = threading.Thread(target=lambda: done.append(chat.ensure_prepared(cfg, str(tmp_path / "run"), log=QUIET)))
+    t.start()
+    t.join(0.5)
+    assert not done and not (ddir / "manifest.json").exists()
+  t.join(30)
+  assert done and done[0]["complete"]
+
+
+USER = [{"role": "user", "content": "hi"}]
+BAD_SFT = [  # (record, what the line says), SFT
+    ("hi", "expected a JSON object"),
+    ({"messages": "hi"}, r"`messages` must be a list of"),
+    ({"messages": []}, r"`messages` is empty"),
+    ({"messages": ["hi"]}, r"`messages\[0\]` must be a \{\"role\", \"content\"\} object, got \"hi\""),
+    ({"messages": [{"role": "user"}]}, r"`messages\[0\]` needs a string `content`, it has none"),
+    ({"messages": [{"content": "x"}]}, r"`messages\[0\]` needs a string `role`"),
+    ({"messages": USER + [{"role": "assistant", "content": 5}]}, r"`messages\[1\]` needs a string `content`, got 5"),
+    ({"messages": [{"role": ["user"], "content": "x"}]}, r"`messages\[0\]` needs a string `role`, got \[\"user\"\]"),
+    ({"prompt": USER, "completion": [{"role": "assistant", "content": 5}]}, r"`completion\[0\]` needs a string `content`"),
+    ({"prompt": USER, "completion": ["hello"]}, r"`completion\[0\]` must be a \{\"role\", \"content\"\} object"),
+    ({"prompt": USER, "completion": []}, r"`completion` is empty"),  # not the template's fault
+    ({"prompt": [], "completion": [{"role": "assistant", "content": "a"}]}, r"`prompt` is empty"),
+    ({"prompt": [5], "completion": [{"role": "assistant", "content": "a"}]}, r"`prompt\[0\]` must be a"),
+    ({"prompt": "a", "completion": 5}, "must both be strings or both message lists"),
+    ({"prompt": USER, "completion": "a"}, "must both be strings or both message lists"),
+    ({"prompt": "a"}, "a record needs `messages` or `prompt` and `completion`"),
+]
+BAD_DPO = [  # DPO
+    ({"prompt": USER, "chosen": 5, "rejected": "a"}, r"`chosen` must be a string or a list of messages, got 5"),
+    ({"prompt": USER, "chosen": "a", "rejected": [{"role": "assistant"}]}, r"`rejected\[0\]` needs a string `content`"),
+    ({"prompt": USER, "chosen": [], "rejected": "a"}, r"`chosen` is empty"),
+    ({"prompt": USER, "chosen": ["a"], "rejected": "a"}, r"`chosen\[0\]` must be a"),
+    ({"prompt": [{"role": "user", "content": None}], "chosen": "a", "rejected": "b"}, r"`prompt\[0\]` needs a string `content`"),
+    ({"prompt": "a", "chosen": ["x"], "rejected": "b"}, r"`prompt` is a string, so `chosen` must be one too"),
+    ({"prompt": "a", "chosen": "x", "rejected": 5}, r"`prompt` is a string, so `rejected` must be one too"),
+    ({"prompt": 5, "chosen": "a", "rejected": "b"}, r"`prompt` must be a string or a list of messages"),
+    ({"prompt": "a", "chosen": "b"}, r"a preference record needs `prompt`, `chosen` and `rejected` \(keys: prompt, chosen\)"),
+    ([1, 2], "a preference record needs"),
+]
+
+
+@pytest.mark.parametrize("objective,record,message", [("lm", r, m) for r, m in BAD_SFT] + [("dpo", r, m) for r, m in BAD_DPO],
+                         ids=[f"sft{k}" for k in range(len(BAD_SFT))] + [f"dpo{k}" for k in range(len(BAD_DPO))])
+def test_every_malformed_record_is_one_line_with_its_file_and_line(tmp_path, objective, record, message):
+  """Each record shape SFT and DPO read: a bad one is a UserError (the CLIs' one line, exit 2), naming the
+  file and line, never a traceback (`"chosen": 5` was a TypeError, exit 1)."""
+  good = (synthetic.reverse_words_preferences(2) if objective == "dpo" else synthetic.reverse_words_records(2))
+  path = tmp_path / "chats.jsonl"
+  write_jsonl(path, good)
+  with open(path, "a") as f:
+    f.write("\n" + json.dumps(record) + "\n")  # a blank line 3 still counts: the record is line 4
+  cfg = sft_config(tmp_path, f"data.chat_path={path}", f"train.objective={objective}")
+  with pytest.raises(UserError) as e:
+    chat.ensure_prepared(cfg, str(tmp_path / "run"), log=QUIET)
+  assert re.fullmatch(rf"{re.escape(str(path))}:4: .*{message}.*", str(e.value)), str(e.value)
+
+
+def test_a_bad_dpo_answer_exits_2_with_one_line(tmp_path, capsys):
+  """The issue's record through train.py's CLI: exit 2 and one line naming file:line (was exit 1, a TypeError)."""
+  path = tmp_path / "prefs.jsonl"
+  write_jsonl(path, synthetic.reverse_words_preferences(1) + [{"prompt": USER, "chosen": 5, "rejected": "a"}])
+  with pytest.raises(SystemExit) as exit_info:
+    train.main(["--config", "gpt2_tiny", "--workdir", str(tmp_path / "run"), "data.tokenizer=byte", "model.vocab_size=259",
+                "data.chat_template=plain", "model.num_layers=1", "train.objective=dpo", f"data.chat_path={path}"])
+  err = capsys.readouterr().err
+  assert exit_info.value.code == 2 and err == f"error: {path}:2: `chosen` must be a string or a list of messages, got 5\n"
+
+
+def test_a_missing_val_file_is_named_by_its_setting(tmp_path):
+  cfg = sft_config(tmp_path, f"data.chat_val_path={tmp_path / 'nope_val.jsonl'}")
+  with pytest.raises(UserError, match=rf"^data\.chat_val_path={re.escape(str(tmp_path / 'nope_val.jsonl'))}: file not found$"):
+    chat.ensure_prepared(cfg, str(tmp_path / "run"), log=QUIET)
