@@ -455,6 +455,17 @@ def ensure_prepared(cfg, workdir, log=print):
 _PROBE = "jaxformer-probe-answer"  # an assistant answer no template changes (no edge spaces for `| trim`)
 
 
+def _render_probe(template):
+  """A user question and the probe answer rendered (with a system message first if the template needs
+  one), or None where the template refuses both."""
+  for head in ([], [{"role": "system", "content": "."}]):
+    try:
+      return template.render(head + [{"role": "user", "content": "?"}, {"role": "assistant", "content": _PROBE}])
+    except UserError:
+      continue
+  return None
+
+
 def prompt_ids(template, tokenizer, messages, add_bos, hf_tokenizer, where="--chat"):
   """Token ids (list of int) of `messages` rendered with the generation prompt, encoded as training
   encodes a record (`encode_pieces`: the template's special strings become their ids, e.g. our
@@ -473,10 +484,8 @@ def end_of_turn_ids(template, tokenizer, hf_tokenizer):
   right after the assistant's text when that is one special token (Llama 3's `<|eot_id|>`, ChatML's
   `<|im_end|>`; the built-in templates write `eos_token`, the EOS). Found by rendering a probe answer."""
   stops = {int(tokenizer.eos_id)}
-  messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _PROBE}]
-  try:
-    text = template.render(messages)
-  except UserError:  # e.g. a template that insists on a system message: EOS alone
+  text = _render_probe(template)
+  if text is None:  # a template that renders no probe conversation: EOS alone
     return sorted(stops)
   at = text.rfind(_PROBE)
   tail = text[at + len(_PROBE):].lstrip() if at >= 0 else ""
@@ -519,15 +528,11 @@ def read_conversations(specs, system=""):
 
 def _starts_with_bos(template, tokenizer, hf_tokenizer):
   """Whether the template writes BOS first (then training added none under data.add_bos); None: unknown."""
-  for messages in ([{"role": "user", "content": "?"}], [{"role": "system", "content": "."},
-                                                         {"role": "user", "content": "?"}]):
-    try:
-      text = template.render(messages + [{"role": "assistant", "content": _PROBE}])
-    except UserError:
-      continue
-    ids, _ = encode_pieces(tokenizer, [(text, False)], hf_tokenizer)
-    return bool(len(ids)) and int(ids[0]) == tokenizer.bos_id
-  return None
+  text = _render_probe(template)
+  if text is None:
+    return None
+  ids, _ = encode_pieces(tokenizer, [(text, False)], hf_tokenizer)
+  return bool(len(ids)) and int(ids[0]) == tokenizer.bos_id
 
 
 def hf_template(template, tokenizer, hf_tokenizer, add_bos, token_text):

@@ -313,6 +313,7 @@ def chat_perplexity(cfg, workdir, model, params):
 
 
 def format_chat_perplexity(cfg, p):
+  """Two lines: which held-out chats, and `chat_perplexity`'s result `p`."""
   d = cfg.data
   held = (d.chat_val_path if d.chat_val_path else
           f"the records of {d.chat_path} that data.train_fraction={d.train_fraction:g} held out")

@@ -100,7 +100,7 @@ def chat_replies(model, params, tokenizer, cfg, workdir, conversations, max_new_
   answers = []
   for row in tokens.tolist():
     end = next((k for k, t in enumerate(row) if t in stops), len(row))
-    answers.append(tokenizer.decode([t for t in row[:end] if t != tokenizer.eos_id]))
+    answers.append(tokenizer.decode(row[:end]))
   return answers
 
 
@@ -128,16 +128,16 @@ def parse_args(argv):
 def main(argv):
   """The `python -m jaxformer.generate` entry point."""
   args = parse_args(argv)
+  if args.chat and (args.prompt or args.prefix):
+    raise UserError("--chat takes the conversation's messages; --prompt and --prefix are raw text: give one or the other")
+  if args.system and not args.chat:
+    raise UserError("--system is the system message of --chat conversations: give --chat MESSAGE too")
   runtime.keep_freed_memory()
   runtime.use_compilation_cache()
   cfg, model, params, tokenizer, _ = evaluate.load_run(args.workdir, step=args.step, log=lambda *_: None,
                                                      overrides=args.overrides)
   if cfg.model.arch != "decoder_only":
     raise UserError(f"{args.workdir} holds a translation model: use eval.py to translate")
-  if args.chat and (args.prompt or args.prefix):
-    raise UserError("--chat takes the conversation's messages; --prompt and --prefix are raw text: give one or the other")
-  if args.system and not args.chat:
-    raise UserError("--system is the system message of --chat conversations: give --chat MESSAGE too")
   prompts = args.prompt or ["\n"]
   flags = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
            "top_p": args.top_p}
