@@ -550,3 +550,110 @@ def _prepare(cfg, ddir, tok_path, tokenizer, template, settings, hf, log):
   manifest = {**header, "complete": True, "splits": summary, "chat": {"settings": settings, "counts": counts}}
   prepare._atomic_json(os.path.join(ddir, shards.MANIFEST), manifest)
   return manifest
+
+
+# ----------------------------------------------------------------------------
+# Chatting with a fine-tuned model (`python -m jaxformer.generate --chat`).
+
+_PROBE = "jaxformer-probe-answer"  # an assistant answer no template changes (no edge spaces for `| trim`)
+
+
+def _render_probe(template):
+  """A user question and the probe answer rendered (with a system message first if the template needs
+  one), or None where the template refuses both."""
+  for head in ([], [{"role": "system", "content": "."}]):
+    try:
+      return template.render(head + [{"role": "user", "content": "?"}, {"role": "assistant", "content": _PROBE}])
+    except UserError:
+      continue
+  return None
+
+
+def prompt_ids(template, tokenizer, messages, add_bos, hf_tokenizer, where="--chat"):
+  """Token ids (list of int) of `messages` rendered with the generation prompt, encoded as training
+  encodes a record (`encode_pieces`: the template's special strings become their ids, e.g. our
+  `<|eos|>` the model's EOS; a tokenizer.json's own special tokens are matched in the text), with
+  BOS first under data.add_bos unless the template wrote it."""
+  _check_messages(messages, where)
+  ids, _ = encode_pieces(tokenizer, [(template.render(messages, add_generation_prompt=True), False)], hf_tokenizer)
+  ids = ids.tolist()
+  if add_bos and (not ids or ids[0] != tokenizer.bos_id):
+    ids = [tokenizer.bos_id] + ids
+  return ids
+
+
+def end_of_turn_ids(template, tokenizer, hf_tokenizer):
+  """The ids that end an assistant turn (sorted list): the model's EOS, and the token the template writes
+  right after the assistant's text when that is one special token (Llama 3's `<|eot_id|>`, ChatML's
+  `<|im_end|>`; the built-in templates write `eos_token`, the EOS). Found by rendering a probe answer."""
+  stops = {int(tokenizer.eos_id)}
+  text = _render_probe(template)
+  if text is None:  # a template that renders no probe conversation: EOS alone
+    return sorted(stops)
+  at = text.rfind(_PROBE)
+  tail = text[at + len(_PROBE):].lstrip() if at >= 0 else ""
+  if tail:
+    first = int(encode_pieces(tokenizer, [(tail, False)], hf_tokenizer)[0][0])
+    added = tokenizer.tok.get_added_tokens_decoder() if hf_tokenizer and hasattr(tokenizer, "tok") else {}
+    if first in (tokenizer.eos_id, tokenizer.bos_id) or first in added:  # one token, not the first byte of text
+      stops.add(first)
+  return sorted(stops)
+
+
+def read_conversations(specs, system=""):
+  """The conversations that `--chat` values give: a text is one user message; a path to a .json file
+  holds a messages list (one conversation, e.g. with history) or a list of them. `system`: a system
+  message put first in each conversation that has none. A bad file is a one-line error."""
+  conversations = []
+  for spec in specs:
+    if spec.endswith(".json") and os.path.isfile(spec):
+      try:
+        with open(spec, encoding="utf-8") as f:
+          value = json.load(f)
+      except json.JSONDecodeError as e:
+        raise UserError(f"{spec}:{e.lineno}: not valid JSON ({e.msg})") from None
+      value = value.get("messages", value) if isinstance(value, dict) else value
+      many = isinstance(value, list) and value and all(isinstance(v, list) for v in value)
+      for k, messages in enumerate(value if many else [value]):
+        _check_messages(messages, spec + (f" (conversation {k})" if many else ""))
+        conversations.append(list(messages))
+    else:
+      conversations.append([{"role": "user", "content": spec}])
+  if system:
+    conversations = [c if c[0]["role"] == "system" else [{"role": "system", "content": system}] + c
+                     for c in conversations]
+  return conversations
+
+
+# ----------------------------------------------------------------------------
+# Exporting the template (`python -m jaxformer.convert --to-hf`).
+
+
+def _starts_with_bos(template, tokenizer, hf_tokenizer):
+  """Whether the template writes BOS first (then training added none under data.add_bos); None: unknown."""
+  text = _render_probe(template)
+  if text is None:
+    return None
+  ids, _ = encode_pieces(tokenizer, [(text, False)], hf_tokenizer)
+  return bool(len(ids)) and int(ids[0]) == tokenizer.bos_id
+
+
+def hf_template(template, tokenizer, hf_tokenizer, add_bos, token_text):
+  """(template text, {"bos_token": str, ...}) for a Hugging Face tokenizer_config.json, so that
+  transformers' `apply_chat_template` (tokenize=True: the text tokenized with no special tokens added)
+  gives the ids training encoded (`encode_pieces`).
+
+  Our BOS_TEXT/EOS_TEXT placeholders (built-in templates, our tokenizers) become the strings of the
+  model's BOS/EOS ids (`token_text(id)`, e.g. GPT-2's `<|endoftext|>`, Llama's `</s>`), which HF's
+  tokenizer reads back as those ids; a tokenizer_config.json's own strings stay. With data.add_bos,
+  training put BOS before a record whose template wrote none: the template then starts with
+  `{{ bos_token }}` to do the same.
+  """
+  real = {BOS_TEXT: token_text(tokenizer.bos_id), EOS_TEXT: token_text(tokenizer.eos_id)}
+  text = template.text
+  for placeholder, string in real.items():  # also where a template writes the placeholder literally
+    text = text.replace(placeholder, string)
+  special = {k: real.get(v, v) for k, v in template.special.items()}
+  if add_bos and not _starts_with_bos(template, tokenizer, hf_tokenizer):
+    text = "{{ bos_token }}" + text
+  return text, special

@@ -745,7 +745,48 @@ def hf_config_for(cfg, kind, base=None):
   return hf
 
 
-def export_tokenizer(cfg, kind, workdir, out):
+def chat_export(cfg, kind, workdir, tokenizer_workdir):
+  """(template text, special-token strings) that `--to-hf` writes into tokenizer_config.json, or None.
+
+  A fine-tuned run (data.chat_path) carries the template it trained with (`data.chat_template`,
+  checked against the hash its prepared data recorded), turned into what transformers renders
+  to the same ids (`chat.hf_template`); another run carries the template beside its tokenizer
+  (a converted instruct model's), if any. `tokenizer_workdir`: where the tokenizer lives (a LoRA
+  run's base). Runs before anything is written, so a template that cannot be carried is one line.
+  """
+  import hashlib
+  from jaxformer import chat, prepare, shards, tasks
+  path = tasks.tokenizer_path(cfg, tokenizer_workdir)
+  if kind == "marian" or path == "byte" or not os.path.isfile(path):
+    return None  # no chat model, or no tokenizer to write (export_tokenizer says so)
+  tok = tokenizer_lib.load_tokenizer(path)
+  if isinstance(tok, tokenizer_lib.HFTokenizer):
+    token_text = tok.tok.id_to_token
+  elif isinstance(tok, tokenizer_lib.SentencePieceTokenizer):
+    token_text = tok.sp.id_to_piece
+  else:
+    return None
+  tok.use_model_ids(cfg.model.pad_id, cfg.model.bos_id, cfg.model.eos_id, os.path.join(workdir, "config.json"))
+  hf = isinstance(tok, tokenizer_lib.HFTokenizer)
+  try:
+    template = chat.load_template(cfg.data.chat_template, path, hf)
+  except UserError as e:
+    if cfg.data.chat_path:
+      raise UserError(f"cannot export the chat template {workdir} trained with: {e}") from None
+    return None  # a model without a chat template: none to carry
+  if cfg.data.chat_path:
+    ddir = prepare.data_dir(cfg, workdir)
+    trained = ((shards.read_manifest(ddir) or {}).get("chat") or {}).get("settings", {}).get("template_sha256")
+    if trained and trained != hashlib.sha256(template.text.encode()).hexdigest():
+      raise UserError(f"chat template {template.name} is not the one {workdir} trained with (its hash differs from "
+                      f"{ddir}'s manifest): restore that template, or set data.chat_template to it in "
+                      f"{os.path.join(workdir, 'config.json')}")
+  return chat.hf_template(template, tok, hf, cfg.data.add_bos, token_text)
+
+
+def export_tokenizer(cfg, kind, workdir, out, chat_template=None):
+  """Writes the tokenizer files and tokenizer_config.json; `chat_template`: (text, special-token strings)
+  from `chat_export`, written into the config (transformers' `apply_chat_template` reads it)."""
   from jaxformer import tasks
   path = tasks.tokenizer_path(cfg, workdir)
   if path == "byte" or not os.path.isfile(path):
@@ -765,6 +806,10 @@ def export_tokenizer(cfg, kind, workdir, out):
   else:
     raise UserError(f"tokenizer {path} ({type(tok).__name__}) has no Hugging Face form for {kind}; "
                     "the weights and config were written")
+  if chat_template is not None:
+    text, special = chat_template
+    config.update(special)  # the strings the template renders as bos_token, eos_token, ...
+    config["chat_template"] = text
   with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
     json.dump(config, f, indent=2)
 
@@ -812,11 +857,12 @@ def to_hf(workdir, out, step=None, dtype="float32", max_shard_mb=2048, log=print
   """
   # HF's layout is per layer: a model.scan_layers checkpoint is unstacked on the way in.
   cfg, _, params, _, meta = evaluate.load_run(workdir, step=step, log=lambda *_: None, scan_layers=False)
-  workdir = meta.get("lora_base") or workdir  # a LoRA run (merged above): the rest is its base's
+  run_dir, workdir = workdir, meta.get("lora_base") or workdir  # a LoRA run (merged above): the rest is its base's
   base_path = os.path.join(workdir, "hf_config.json")
   base = _read_json(base_path, "") if os.path.isfile(base_path) else None
   kind = infer_model_type(cfg, meta.get("hf_model_type") or (base or {}).get("model_type"))
   hf = hf_config_for(cfg, kind, base)
+  template = chat_export(cfg, kind, run_dir, workdir)
   if os.path.exists(os.path.join(out, "config.json")):
     raise UserError(f"--out {out} already holds a model: choose a new directory")
   os.makedirs(out, exist_ok=True)
@@ -845,8 +891,8 @@ def to_hf(workdir, out, step=None, dtype="float32", max_shard_mb=2048, log=print
     json.dump(hf, f, indent=2)
   with open(os.path.join(out, "generation_config.json"), "w") as f:
     json.dump(generation_config(cfg, kind, workdir), f, indent=2)
-  export_tokenizer(cfg, kind, workdir, out)
-  log(f"wrote {kind} ({count[0]:,} parameters, {dtype}) to {out}")
+  export_tokenizer(cfg, kind, workdir, out, template)
+  log(f"wrote {kind} ({count[0]:,} parameters, {dtype}) to {out}" + (" with its chat template" if template else ""))
   return out
 
 

@@ -417,7 +417,7 @@ def _generate(model, params, tokens, lengths, rng, cache, temperature, top_p, eo
 
   def emit(i, logits, seq, done):
     token = jnp.where(done, PAD_ID, sample(logits, jax.random.fold_in(rng, i)))
-    return seq.at[:, new + i].set(token), done | (token == eos_id)
+    return seq.at[:, new + i].set(token), done | jnp.any(token[:, None] == eos_id, axis=-1)  # eos_id [stops]
 
   def running(until):
     return lambda state: (state[0] < until) & ~jnp.all(state[2])
@@ -452,7 +452,8 @@ def generate(model, params, prompts, max_new_tokens, rng, temperature=1.0, top_k
   prompts: a list of token lists (any lengths), or a right-padded array [batch, width]
   with `lengths` [batch] (None: all full). They are left-padded and prefilled in one
   call, then one token per step. temperature 0 is greedy; top_k / top_p filter before
-  sampling; `rng` (a key) fixes the sample. A row stops after `eos_id` (kept), then PAD.
+  sampling; `rng` (a key) fixes the sample. A row stops after `eos_id` (kept), then PAD;
+  `eos_id` may be a sequence of ids, any of which stops (a chat turn's end-of-turn token and EOS).
   prefix_cache: from `prefill_prefix`; the prompts then continue that prefix.
   Learned positions: past the table each new token sees the row's last max_len tokens
   (nanoGPT's crop, one full forward per token; `sliding_window`). Other positions
@@ -477,8 +478,10 @@ def generate(model, params, prompts, max_new_tokens, rng, temperature=1.0, top_k
     if prefix + needed > _cache_size(cache):  # writes past the end would be clamped, silently wrong
       raise ValueError(f"prefix cache has {_cache_size(cache)} slots; prefix + prompts + "
                        f"max_new_tokens need {prefix + needed}")
-  # Temperature, p and EOS are traced (no recompiles); only the kind of sampling is static.
+  # Temperature, p and the stop ids are traced (no recompiles); only the kind of sampling is static.
+  stops = np.atleast_1d(-1 if eos_id is None else np.asarray(eos_id, np.int64))
+  stops = np.pad(stops, (0, -len(stops) % 4), constant_values=-1)  # [4k], -1: never sampled: one shape for 1-4 ids
   return _generate(model, params, tokens, lengths, rng, cache, jnp.float32(temperature),
-                   jnp.float32(top_p), jnp.int32(-1 if eos_id is None else eos_id),
+                   jnp.float32(top_p), jnp.asarray(stops, jnp.int32),
                    max_new_tokens=max_new_tokens, top_k=int(top_k), greedy=bool(temperature == 0),
                    nucleus=bool(top_p < 1.0), window=window)

@@ -3,6 +3,7 @@
     python eval.py --workdir DIR [--split test] [--average-last K] [--beam 4] [--alpha 0.6] [decode.*=... data.*=...]
     python eval.py --hyp FILE --ref FILE           # score any system output
     python eval.py --workdir DIR --text FILE       # LM perplexity of a text file
+    python eval.py --workdir SFT_DIR               # a fine-tuned run: masked NLL of its held-out chats
 """
 
 import argparse
@@ -287,6 +288,46 @@ def perplexity(model, params, tokenizer, text, block_size, batch_size=8):
           "ppl_per_word": float(np.exp(min(total / n_words, 700.0)))}
 
 
+def chat_perplexity(cfg, workdir, model, params):
+  """The masked NLL of a fine-tuning (SFT) run's held-out chats: the evaluation its training loop runs.
+
+  The prepared val split (data.chat_val_path, else the records data.train_fraction held out),
+  every example of it, in the rows the loop evaluates ([batch_size, block_size], packed as
+  data.packing), scored by `train.make_eval_step` and `train.evaluate`: the NLL per token of
+  the loss mask (data.loss_on), so it equals the last `val_nll` in metrics.jsonl for the
+  checkpoint that logged it. Returns {"val_nll", "val_ppl", "val_tokens", "examples"}.
+  """
+  from jaxformer import train as train_lib  # (train imports this module)
+  if cfg.train.objective == "dpo":
+    raise UserError(f"{workdir} is a DPO run: its held-out preference metrics are the training log's "
+                    "(metrics.jsonl); give --text FILE for the perplexity of a text")
+  task = tasks.make_task(cfg, workdir, log=lambda *_: None)  # the shards the run trained on (prepared if absent)
+  if task.val is None or not task.val.examples:
+    held = ("no example of data.chat_val_path keeps a loss token within data.block_size" if task.val is not None
+            else f"data.chat_val_path is unset and data.train_fraction={cfg.data.train_fraction:g} held none out")
+    raise UserError(f"{workdir} has no held-out chats to evaluate ({held}): give --text FILE for the perplexity of "
+                    "a text, or train with data.chat_val_path=FILE")
+  step = jax.jit(train_lib.make_eval_step(model, task))
+  result = train_lib.evaluate(step, params, task.eval_batches("dev", 0))
+  return {**result, "examples": task.val.examples}
+
+
+def format_chat_perplexity(cfg, p):
+  """Two lines: which held-out chats, and `chat_perplexity`'s result `p`."""
+  d = cfg.data
+  held = (d.chat_val_path if d.chat_val_path else
+          f"the records of {d.chat_path} that data.train_fraction={d.train_fraction:g} held out")
+  return (f"held-out chats ({held}, {p['examples']:,} examples):\n"
+          f"perplexity per loss token: {p['val_ppl']:.3f} (masked NLL {p['val_nll']:.4f} nats over "
+          f"{p['val_tokens']:,} tokens of data.loss_on={d.loss_on}: the val_nll training logs)")
+
+
+def _text_blocks(paths):
+  """The files' text a block of whole lines at a time (`sources.document_blocks`), one after the other."""
+  for path in paths:
+    yield from sources_lib.document_blocks(sources_lib.check_not_empty(path))
+
+
 def format_perplexity(p):
   return (f"perplexity per token: {p['ppl_per_token']:.3f} (NLL {p['nll_per_token']:.4f} nats over "
           f"{p['tokens']:,} predicted tokens)\nper character: {p['ppl_per_char']:.4f} "
@@ -335,11 +376,23 @@ def main(argv):
     checkpoint_lib.save_params(args.save_average, params, step=int(meta.get("step", 0)), meta=meta)
     print(f"saved averaged params to {args.save_average}/checkpoints/{meta.get('step', 0)}")
   if cfg.data.task == "lm":
+    fine_tuned = bool(cfg.data.chat_path) or cfg.train.objective == "dpo"
+    given = {o.split("=", 1)[0].strip() for o in args.overrides}
     if args.text:
       # Read a block of lines at a time: the text as `data.read_lines` joins it, never whole.
       if not os.path.isfile(args.text):
         raise UserError(f"{args.text}: file not found")
-      text, name = sources_lib.document_blocks(sources_lib.check_not_empty(args.text)), args.text
+      text, name = _text_blocks([args.text]), args.text
+    elif fine_tuned and "data.text_path" in given:
+      # A fine-tuning run's data dir holds chat shards: the text is read here, whole (as --text), not prepared.
+      text, name = _text_blocks(sources_lib.local_files("data.text_path", cfg.data.text_path)), cfg.data.text_path
+    elif fine_tuned:
+      if given & {"data.source", "data.hub_name"}:
+        raise UserError("eval.py on a fine-tuning run scores its held-out chats, or a text file: --text FILE "
+                        "or data.text_path=FILE (not data.source)")
+      result = chat_perplexity(cfg, args.workdir, model, params)
+      print(format_chat_perplexity(cfg, result))
+      return result
     else:
       text, name = tasks.LMTask(cfg, args.workdir, log=lambda *_: None).val_blocks(), "the validation split"
     result = perplexity(model, params, tokenizer, text, cfg.data.block_size)

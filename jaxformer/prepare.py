@@ -544,6 +544,11 @@ def _settings(cfg):
 def _check(manifest, cfg, source, tok_path, ddir):
   """A one-line error when `manifest` was prepared with another tokenizer, source or settings."""
   fix = f"delete {ddir} to prepare it again, or set data.data_dir to another folder"
+  if "chat" in manifest:  # chat.ensure_prepared's shards (no text source): a run of other data
+    chats = manifest["chat"].get("settings", {}).get("chat_path")
+    chats = chats[0] if isinstance(chats, list) else chats  # (path, size, mtime)
+    raise UserError(f"{ddir} holds the fine-tuning shards of data.chat_path={chats}, not {source.description}'s "
+                    f"text: {fix}")
   sha = file_sha256(tok_path)
   if manifest["tokenizer"]["sha256"] != sha:
     raise UserError(f"{ddir} was prepared with another tokenizer (sha256 {manifest['tokenizer']['sha256'][:12]}, "
