@@ -178,7 +178,7 @@ class TrainConfig:
   final_eval_split: str = ""        # translation: beam-search BLEU on this split when training ends
   objective: str = "lm"             # lm (next-token loss, masked for SFT) | dpo (data.chat_path of preference pairs)
   dpo_beta: float = 0.1             # DPO's beta (Rafailov et al. 2023), applied once to the log-ratio margin
-  dpo_reference: str = ""           # DPO's frozen reference: a workdir's latest params; "" -> the initial params
+  dpo_reference: str = ""           # DPO's frozen reference: a workdir's latest params; "" -> the initial params (LoRA: the base)
   dpo_from_scratch: bool = False    # DPO without train.init_from: random policy and reference, on purpose (else refused)
   lora_rank: int = 0                # > 0: train LoRA adapters of this rank on a frozen train.init_from (jaxformer.lora)
   lora_alpha: float = 16.0          # the adapters' product is scaled by lora_alpha / lora_rank
