@@ -695,8 +695,8 @@ def _restore_merged(cfg, source, abstract_params, key, step=None):
   """`restore_params` of a LoRA workdir: its base with its adapters merged in, W + (alpha / r) A B (the
   plain model `evaluate.load_run` reads), placed on `abstract_params`' shardings.
 
-  The merged params are built on the host first (every process builds them all): a LoRA run is
-  usually small enough for one device, and its base is read whole by load_run anyway.
+  One process moves them onto the mesh (donated: no second device copy, which matters for a LoRA base
+  filling one GPU); a multi-host job's processes each build them all and keep their shards, from the host.
   """
   _, _, params, _, meta = evaluate_lib.load_run(source, step=step, log=lambda *_: None,
                                                 scan_layers=cfg.model.scan_layers)
@@ -708,10 +708,14 @@ def _restore_merged(cfg, source, abstract_params, key, step=None):
       builds = f"{list(want[path])}" if path in want else "nothing"
       raise UserError(f"{key}={source} (a LoRA run, read merged) has {what} at params/{path} but the config builds "
                       f"{builds}: give the config that run was trained with")
-  host = jax.device_get(params)
-  params = jax.tree.map(lambda a, x: jax.make_array_from_callback(a.shape, a.sharding,
-                                                                  lambda idx: np.asarray(x, a.dtype)[idx]),
-                        abstract_params, host)
+  params = jax.tree.map(lambda x, a: x if x.dtype == a.dtype else x.astype(a.dtype), params, abstract_params)
+  if jax.process_count() == 1:
+    params = jax.device_put(params, jax.tree.map(lambda a: a.sharding, abstract_params), donate=True)
+  else:  # the mesh spans processes: each places its shards from a host copy
+    host = jax.device_get(params)
+    del params
+    params = jax.tree.map(lambda a, x: jax.make_array_from_callback(a.shape, a.sharding, lambda idx: x[idx]),
+                          abstract_params, host)
   where = (f"{os.path.join(source, 'checkpoints')}/{meta.get('step')} (LoRA adapters merged into "
            f"{meta.get('lora_base')} step {meta.get('lora_base_step')})")
   return params, where, meta
