@@ -27,7 +27,12 @@ TRANSLATION_KEYS = ("inputs", "decoder_inputs", "targets", "inputs_segmentation"
 
 
 def abstract_batch(cfg, rows, lengths, batch_sharding=None):
-  """ShapeDtypeStructs of a train batch: lengths (src, tgt) for translation, (length,) for an LM."""
+  """ShapeDtypeStructs of a train batch: lengths (src, tgt) for translation, (length,) for an LM;
+  DPO (train.objective=dpo): `rows` pairs, [rows, 2, length] (chosen, rejected) with segments,
+  positions and the loss weights."""
+  if cfg.train.objective == "dpo":
+    return {k: jax.ShapeDtypeStruct((rows, 2, lengths[-1]), jnp.int32, sharding=batch_sharding)
+            for k in ("inputs", "targets", "weights", "segment_ids", "positions")}
   if cfg.data.task == "lm":
     return {k: jax.ShapeDtypeStruct((rows, lengths[-1]), jnp.int32, sharding=batch_sharding)
             for k in ("inputs", "targets")}
@@ -39,14 +44,16 @@ def abstract_batch(cfg, rows, lengths, batch_sharding=None):
 def compile_train_step(cfg, devices, rows, lengths, task=None):
   """(compiled train step, seconds to lower, seconds to compile) for `rows` x `lengths` batches
   on a mesh of `devices` shaped by cfg.mesh. A LoRA config (train.lora_rank) compiles the LoRA
-  step: the adapters' state, donated, and the frozen base as a third argument."""
+  step: the adapters' state, donated, and the frozen base as a third argument; a DPO config the
+  preference step (its state holds the reference, except with LoRA: the base is the reference)."""
   mesh = sharding.make_mesh(cfg.mesh, list(devices), cfg.model.moe_experts)
   model = model_lib.build_model(cfg.model)
   tx, schedule = optim.build_optimizer(cfg)
-  task = task or (tasks.LMTask if cfg.data.task == "lm" else tasks.TranslationTask)
+  dpo = cfg.train.objective == "dpo"
+  task = task or (tasks.PreferenceTask if dpo else tasks.LMTask if cfg.data.task == "lm" else tasks.TranslationTask)
   ids = jnp.ones((1, 4), jnp.int32)
   init = functools.partial(train.init_state, model, tx, (ids,) if cfg.data.task == "lm" else (ids, ids),
-                           **({"cfg": cfg} if lora.enabled(cfg) else {}))
+                           reference=dpo and not lora.enabled(cfg), **({"cfg": cfg} if lora.enabled(cfg) else {}))
   abstract = jax.eval_shape(init, jax.random.key(0))
   state_sharding = sharding.logical_sharding(abstract, mesh)
   state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.unbox(abstract),

@@ -9,6 +9,7 @@ value of the wrong type is a `UserError` naming the closest valid key.
 import dataclasses
 import importlib.util
 import json
+import os
 import pathlib
 import re
 import types
@@ -177,7 +178,8 @@ class TrainConfig:
   final_eval_split: str = ""        # translation: beam-search BLEU on this split when training ends
   objective: str = "lm"             # lm (next-token loss, masked for SFT) | dpo (data.chat_path of preference pairs)
   dpo_beta: float = 0.1             # DPO's beta (Rafailov et al. 2023), applied once to the log-ratio margin
-  dpo_reference: str = ""           # DPO's frozen reference: a workdir's latest params; "" -> the initial params
+  dpo_reference: str = ""           # DPO's frozen reference: a workdir's latest params; "" -> the initial params (LoRA: the base)
+  dpo_from_scratch: bool = False    # DPO without train.init_from: random policy and reference, on purpose (else refused)
   lora_rank: int = 0                # > 0: train LoRA adapters of this rank on a frozen train.init_from (jaxformer.lora)
   lora_alpha: float = 16.0          # the adapters' product is scaled by lora_alpha / lora_rank
   lora_targets: str = r"(query|key|value|out|wi|wi_gate|wi_up|wo)/kernel$"  # re.search over kernel paths
@@ -385,9 +387,11 @@ def _validate(cfg):
     raise UserError(f"train.nan_policy={cfg.train.nan_policy!r}: choose skip or stop")
   if cfg.train.max_skipped_steps < 0:
     raise UserError(f"train.max_skipped_steps={cfg.train.max_skipped_steps} must be 0 (never stop) or more")
-  if cfg.train.lora_rank and cfg.train.objective == "dpo":
-    raise UserError("train.objective=dpo with train.lora_rank is not supported yet (the preference loss reads "
-                    "the full params): set train.lora_rank=0 for DPO")
+  if (cfg.train.lora_rank and cfg.train.objective == "dpo" and cfg.train.dpo_reference
+      and os.path.abspath(cfg.train.dpo_reference) != os.path.abspath(cfg.train.init_from)):
+    raise UserError(f"train.dpo_reference={cfg.train.dpo_reference} with train.lora_rank: DPO with LoRA takes "
+                    "train.init_from with the adapters off as its reference (no second copy of the weights); "
+                    "drop train.dpo_reference, or set train.lora_rank=0")
   if cfg.train.lora_rank:  # (train.init_from, the frozen base, is checked when training starts: inspect needs none)
     try:
       re.compile(cfg.train.lora_targets)

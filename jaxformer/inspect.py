@@ -329,18 +329,24 @@ def block_residual_bytes(m: ModelConfig, rows, length, causal=True, cross=False,
 def memory_plan(cfg, mesh, rows, lengths):
   """Per-device bytes of one training step (Adam/AdamW, float32 params) and their sum.
 
-  rows: the global batch (sequences); lengths: (length,) for an LM, (src, tgt) for translation.
+  rows: the global batch (sequences; train.objective=dpo: pairs, two sequences each); lengths: (length,)
+  for an LM, (src, tgt) for translation.
   - params, grads: the sharded parameters, and a gradient for each (float32);
   - optimizer: Adam's two moments (2 x params);
   - activations: each layer's residuals under model.remat (`block_residual_bytes`) times the
     layers, plus, with remat, what one layer recomputes while its backward pass runs;
   - logits: the float32 logits and their gradient for the tokens processed at once (all of
     them, or one chunk of model.logits_chunk), plus a bf16 copy when model.dtype is bf16.
+  - reference (DPO, full fine-tuning): `ref_params`, a float32 copy of the params. DPO with LoRA
+    has none: its reference is the frozen base with the adapters off. DPO's logits are whole
+    (its log-probs are not chunked); the reference's forward pass keeps no activations.
   Rows are split over data x fsdp x expert; tensor parallelism divides parameters only here,
   expert parallelism the MoE experts (and the rows).
   """
   m, sizes = cfg.model, _mesh_sizes(mesh)
   shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+  dpo = cfg.train.objective == "dpo"
+  rows = 2 * rows if dpo else rows  # DPO: chosen and rejected
   rows_dev = -(-rows // shards)
   src, tgt = (lengths[0], lengths[-1])
   params = parameter_bytes_per_device(cfg, sizes)
@@ -350,6 +356,8 @@ def memory_plan(cfg, mesh, rows, lengths):
     adapters = parameter_bytes_per_device(cfg, sizes, lora.abstract(cfg)[1])
     plan = {"params": params, "adapters": adapters, "grads": adapters, "optimizer": 2 * adapters}
     lora_tokens = lora.num_adapted(cfg) * cfg.train.lora_rank * jnp.dtype(m.dtype).itemsize
+  elif dpo:
+    plan["reference"] = params
   if m.arch == "encoder_decoder":
     kinds = [(m.encoder_layers, dict(length=src, causal=False)),
              (m.num_layers, dict(length=tgt, cross=True, src_len=src))]
@@ -361,7 +369,7 @@ def memory_plan(cfg, mesh, rows, lengths):
     activations += max(block_residual_bytes(plain, rows_dev, **kind) - block_residual_bytes(m, rows_dev, **kind)
                        for _, kind in kinds)
   plan["activations"] = activations + rows_dev * max(src, tgt) * lora_tokens
-  chunk = losses.logits_chunk(m.logits_chunk, rows * tgt, m.vocab_size, shards)
+  chunk = 0 if dpo else losses.logits_chunk(m.logits_chunk, rows * tgt, m.vocab_size, shards)
   tokens = rows_dev * (max(1, min(chunk // rows, tgt)) if chunk else tgt)
   plan["logits"] = tokens * m.vocab_size * (8 + (2 if m.dtype == "bfloat16" else 0))
   plan["total"] = sum(plan.values())
@@ -390,14 +398,16 @@ def memory_report(cfg, mesh, rows, lengths):
   m, sizes = cfg.model, _mesh_sizes(mesh)
   shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
   plan = memory_plan(cfg, sizes, rows, lengths)
-  chunk = losses.logits_chunk(m.logits_chunk, rows * lengths[-1], m.vocab_size, shards)
+  dpo = cfg.train.objective == "dpo"
+  chunk = 0 if dpo else losses.logits_chunk(m.logits_chunk, rows * lengths[-1], m.vocab_size, shards)
   shape = " + ".join(str(n) for n in lengths)
-  lines = [f"Training memory per device: mesh {' x '.join(f'{a}={n}' for a, n in sizes.items() if a != 'expert' or n > 1)}, batch {rows:,} x "
-           f"{shape} tokens ({-(-rows // shards):,} sequences per device), remat {m.remat}, "
+  lines = [f"Training memory per device: mesh {' x '.join(f'{a}={n}' for a, n in sizes.items() if a != 'expert' or n > 1)}, batch {rows:,}"
+           f"{' DPO pairs' if dpo else ''} x {shape} tokens ({-(-(2 if dpo else 1) * rows // shards):,} sequences per "
+           f"device), remat {m.remat}, "
            f"scan_layers {str(m.scan_layers).lower()}, logits {f'in chunks of {chunk:,} tokens' if chunk else 'whole'}"]
   notes = {"params": "float32, sharded by the rules", "grads": "float32, one per parameter",
            "optimizer": "Adam: 2 moments x params", "activations": "kept for the backward pass, all layers",
-           "logits": "float32 logits + their gradient"}
+           "logits": "float32 logits + their gradient", "reference": "DPO's frozen reference: a float32 copy of the params"}
   if cfg.train.lora_rank > 0:
     notes.update(params="the frozen base, float32, sharded by the rules",
                  adapters=f"LoRA rank {cfg.train.lora_rank} on {lora.num_adapted(cfg)} kernels, float32",
@@ -405,12 +415,14 @@ def memory_report(cfg, mesh, rows, lengths):
                  activations="kept for the backward pass, all layers, + x A per adapter")
   for key, n in plan.items():
     lines.append(f"  {key:<12}{n / 2**30:10.2f} GiB  {notes.get(key, '')}".rstrip())
+  if dpo and cfg.train.lora_rank > 0:
+    lines.append("  (DPO with LoRA: the reference is the frozen base with the adapters off, no copy of the weights)")
   if m.remat != "none" and not m.scan_layers:
     lines.append("  (remat without model.scan_layers: XLA:CPU recomputes early and keeps nearly everything anyway; "
                  "BENCHMARKS.md)")
   if sizes["tensor"] > 1:
     lines.append("  (tensor > 1: activations counted as if not split over `tensor`: an upper bound)")
-  lines.append(f"  {'device':<10}{'GB':>5}  fits  largest batch per device")
+  lines.append(f"  {'device':<10}{'GB':>5}  fits  largest batch per device{' (pairs)' if dpo else ''}")
   devices = dict(DEVICE_MEMORY_GB)
   if cfg.train.lora_rank > 0:  # the single-GPU question LoRA is for
     devices = {"24 GB GPU": 24, "80 GB GPU": 80, **devices}

@@ -6,6 +6,7 @@ ids) and its loss. Batches are pure functions of the step (`train_batch(step)`),
 resuming exact without any iterator state.
 """
 
+import contextlib
 import functools
 import math
 
@@ -339,11 +340,16 @@ class PreferenceTask(_FineTuning):
     return jnp.sum(logp * flat["weights"].astype(jnp.float32), axis=-1).reshape(rows, two)
 
   @staticmethod
-  def preference_loss(model, params, reference, batch, rngs, deterministic, beta):
+  def preference_loss(model, params, reference, batch, rngs, deterministic, beta, policy_scope=None):
     """(DPO loss sum, sums): `losses.dpo_loss` of the policy `params` against the frozen
     `reference` (no gradient), summed over pairs; sums: nll_sum (the chosen responses' NLL),
-    tokens (pairs), rewards/chosen_sum, rewards/rejected_sum, rewards/accuracy_sum."""
-    policy = PreferenceTask.sequence_log_probs(model, params, batch, rngs, deterministic)
+    tokens (pairs), rewards/chosen_sum, rewards/rejected_sum, rewards/accuracy_sum.
+
+    policy_scope: a context manager entered for the policy's forward pass alone. With LoRA it is
+    `lora.adapters_active(cfg)`, `params` the base with the adapters and `reference` the base: the
+    reference is the same weights with the adapters off (no second copy)."""
+    with policy_scope if policy_scope is not None else contextlib.nullcontext():
+      policy = PreferenceTask.sequence_log_probs(model, params, batch, rngs, deterministic)
     ref = jax.lax.stop_gradient(PreferenceTask.sequence_log_probs(model, reference, batch, {}, True))
     real = (batch["weights"][:, 0].sum(-1) > 0).astype(jnp.float32)  # filler rows (evaluation) count for nothing
     loss, chosen, rejected = losses.dpo_loss(policy[:, 0], policy[:, 1], ref[:, 0], ref[:, 1], beta)

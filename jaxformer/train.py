@@ -26,6 +26,7 @@ from jax.experimental import multihost_utils
 
 from jaxformer import bleu
 from jaxformer import checkpoint as checkpoint_lib
+from jaxformer import checksum
 from jaxformer import config as config_lib
 from jaxformer import decode
 from jaxformer import evaluate as evaluate_lib
@@ -52,7 +53,8 @@ def make_train_step(model, task, cfg, tx, schedule):
 
   With LoRA (train.lora_rank > 0) `state["params"]` holds the adapters alone and the step takes
   the frozen base params as a third argument, `train_step(state, batch, base)`: only the
-  adapters get gradients and optimizer updates (`jaxformer.lora`).
+  adapters get gradients and optimizer updates (`jaxformer.lora`). DPO's frozen reference is
+  `state["ref_params"]`, or with LoRA that same base with the adapters off (`preference_loss`).
   """
   accum = cfg.optim.grad_accum_steps
   base_rng = jax.random.PRNGKey(cfg.train.seed)
@@ -62,8 +64,9 @@ def make_train_step(model, task, cfg, tx, schedule):
 
   def grads_of(params, batch, rng, reference, base):
     def loss_fn(p):
-      if dpo:  # the second objective: a preference loss against the frozen reference params
-        return task.preference_loss(model, p, reference, batch, {"dropout": rng}, False, cfg.train.dpo_beta)
+      if dpo:  # the second objective: a preference loss against the frozen reference (LoRA: the base)
+        return preference_loss(model, task, cfg, p, batch, {"dropout": rng}, False,
+                               base if base is not None else reference)
       with lora.adapters_active(cfg):  # LoRA: p are the adapters, on the frozen base
         full = p if base is None else lora.combine(base, p)
         loss, nll, weight, *stats = task.loss(model, full, batch, {"dropout": rng}, False,
@@ -123,9 +126,29 @@ def make_multi_step(train_step):
   return multi_step
 
 
+def preference_loss(model, task, cfg, params, batch, rngs, deterministic, frozen):
+  """DPO's `(loss sum, sums)` (`tasks.PreferenceTask.preference_loss`) of `params` against `frozen`.
+
+  Full fine-tuning: `params` is the policy and `frozen` the reference params. LoRA (the one-GPU
+  way): `params` are the adapters and `frozen` the base; the policy is the base with the adapters
+  on, the reference the same base with them off, so no second copy of the weights exists and at
+  step 0 (B = 0) the policy is the reference.
+  """
+  if lora.enabled(cfg):
+    return task.preference_loss(model, lora.combine(frozen, params), frozen, batch, rngs, deterministic,
+                                cfg.train.dpo_beta, policy_scope=lora.adapters_active(cfg))
+  return task.preference_loss(model, params, frozen, batch, rngs, deterministic, cfg.train.dpo_beta)
+
+
 def make_eval_step(model, task, cfg=None):
   """Returns `eval_step(params, batch[, base]) -> (loss_sum, nll_sum, tokens)` (no dropout, no smoothing);
-  a LoRA run's `params` are its adapters, on the frozen `base`."""
+  a LoRA run's `params` are its adapters, on the frozen `base`.
+
+  DPO (train.objective=dpo): `eval_step(params, batch, frozen) -> (DPO loss sum, sums)`, frozen being
+  the reference params, or a LoRA run's base (`preference_loss`); batches [batch, 2, length]."""
+  if cfg is not None and cfg.train.objective == "dpo":
+    return lambda params, batch, frozen: preference_loss(model, task, cfg, params, batch, {}, True, frozen)
+
   def eval_step(params, batch, base=None):
     with lora.adapters_active(cfg) if cfg is not None else contextlib.nullcontext():
       full = params if base is None else lora.combine(base, params)
@@ -140,6 +163,26 @@ def evaluate(eval_step, params, batches):
     total += np.asarray(jax.device_get(eval_step(params, batch)), np.float64)
   nll = total[1] / max(total[2], 1.0)
   return {"val_nll": nll, "val_ppl": float(np.exp(min(nll, 50.0))), "val_tokens": int(total[2])}
+
+
+def evaluate_preferences(eval_step, params, frozen, batches):
+  """DPO's held-out figures over batches (a DPO `make_eval_step`), means over the real pairs (filler
+  rows count for nothing): val_loss (the DPO loss), val_rewards/chosen, val_rewards/rejected
+  (beta x log-ratio to the reference), val_rewards/margin (chosen - rejected), val_rewards/accuracy
+  (the fraction with chosen > rejected), val_nll (the chosen response's summed NLL) and val_pairs."""
+  total = {}
+  for batch in batches:
+    loss, sums = jax.device_get(eval_step(params, batch, frozen))
+    for key, value in {"loss_sum": loss, **sums}.items():
+      total[key] = total.get(key, 0.0) + float(np.asarray(value, np.float64))
+  if not total:
+    return {}
+  pairs = max(total["tokens"], 1.0)
+  mean = lambda key: total[key] / pairs
+  return {"val_loss": mean("loss_sum"), "val_rewards/accuracy": mean("rewards/accuracy_sum"),
+          "val_rewards/margin": mean("rewards/chosen_sum") - mean("rewards/rejected_sum"),
+          "val_rewards/chosen": mean("rewards/chosen_sum"), "val_rewards/rejected": mean("rewards/rejected_sum"),
+          "val_nll": mean("nll_sum"), "val_pairs": int(total["tokens"])}
 
 
 def init_state(model, tx, init_inputs, rng, reference=False, cfg=None):
@@ -220,8 +263,10 @@ def setup(cfg, workdir, log=print):
   tx, schedule = optim.build_optimizer(cfg)
   example = task.train_batch(0)
   init_inputs = [jnp.asarray(x[:1]) for x in task.init_inputs(example)]
-  init_fn = functools.partial(init_state, model, tx, init_inputs, reference=cfg.train.objective == "dpo",
-                              **({"cfg": cfg} if lora.enabled(cfg) else {}))  # DPO: the state holds its reference
+  # DPO: the state holds its reference (LoRA's is the frozen base with the adapters off: no copy)
+  init_fn = functools.partial(init_state, model, tx, init_inputs,
+                              reference=cfg.train.objective == "dpo" and not lora.enabled(cfg),
+                              **({"cfg": cfg} if lora.enabled(cfg) else {}))
   rng = jax.random.PRNGKey(cfg.train.seed)
   abstract = jax.eval_shape(init_fn, rng)
   state_sharding = sharding.logical_sharding(abstract, mesh)
@@ -272,6 +317,10 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
     if not cfg.train.init_from:
       raise UserError("train.lora_rank needs train.init_from=WORKDIR: the frozen model the adapters are trained on")
     lora.target_paths(cfg)  # train.lora_targets matching no kernel: one line, before any work
+  if cfg.train.objective == "dpo" and not cfg.train.init_from and not cfg.train.dpo_from_scratch:
+    raise UserError("train.objective=dpo needs train.init_from=WORKDIR (usually the SFT run) to start the policy "
+                    "from (and, without train.dpo_reference, as the reference): without it both are random weights; "
+                    "set train.dpo_from_scratch=true if that is meant")
   error = None
   try:
     os.makedirs(workdir, exist_ok=True)
@@ -388,7 +437,7 @@ def _train_and_evaluate(cfg, workdir, log, lease, early_stop=None):
     state = init_from_checkpoint(cfg, tx, abstract_unboxed, state_sharding, task.tokenizer_path, log)
   else:  # a new run, or new LoRA adapters (B = 0) on the base read below
     state = jax.jit(lambda r: nn.unbox(init_fn(r)), out_shardings=state_sharding)(rng)
-  if resumed is None and cfg.train.dpo_reference and cfg.train.objective == "dpo":
+  if resumed is None and cfg.train.dpo_reference and "ref_params" in abstract_unboxed:  # (not LoRA's: its base)
     state["ref_params"], where, _ = restore_params(cfg, cfg.train.dpo_reference, abstract_unboxed["ref_params"], log)
     log(f"DPO reference: {where} (frozen)")
   base, base_sharding, extra, ckpt_meta = None, None, (), {}
@@ -412,9 +461,12 @@ def _train_and_evaluate(cfg, workdir, log, lease, early_stop=None):
   multi_step = _under_mesh(mesh, jax.jit(make_multi_step(make_train_step(model, task, cfg, tx, schedule)),
                                          in_shardings=step_in, out_shardings=(state_sharding, None),
                                          donate_argnums=0))
+  dpo = cfg.train.objective == "dpo"
+  frozen_sharding = (base_sharding if base is not None else state_sharding["ref_params"]) if dpo else None
   eval_jit = _under_mesh(mesh, jax.jit(make_eval_step(model, task, cfg),
-                                       in_shardings=(state_sharding["params"],) + step_in[1:]))
-  eval_step = lambda params, batch: eval_jit(params, batch, *extra)
+                                       in_shardings=(state_sharding["params"], batch_sharding, frozen_sharding)
+                                       if dpo else (state_sharding["params"],) + step_in[1:]))
+  eval_step = eval_jit if dpo else lambda params, batch: eval_jit(params, batch, *extra)
   # Decoding (samples, BLEU) reads plain params: a LoRA run's merged W + (alpha / r) A B.
   full_params = ((lambda p: p) if base is None else
                  _under_mesh(mesh, jax.jit(functools.partial(lora.merge, cfg=cfg), out_shardings=base_sharding)))
@@ -482,7 +534,11 @@ def _train_and_evaluate(cfg, workdir, log, lease, early_stop=None):
           raise UserError(lost)
         result.update(summary)
       if dev_batches and (step % cfg.train.eval_every == 0 or last):
-        val = evaluate(eval_step, state["params"], dev_batches)
+        if dpo:  # held-out pairs against the reference (LoRA: the base with the adapters off)
+          val = evaluate_preferences(eval_step, state["params"], base if base is not None else state["ref_params"],
+                                     dev_batches)
+        else:
+          val = evaluate(eval_step, state["params"], dev_batches)
         if task.name == "translation" and cfg.train.eval_bleu_sentences:
           sources, refs = task.splits["dev"]
           n = cfg.train.eval_bleu_sentences
@@ -491,7 +547,7 @@ def _train_and_evaluate(cfg, workdir, log, lease, early_stop=None):
                                         batch_size=cfg.decode.batch_size, suppress_pad=cfg.decode.suppress_pad)
           val["val_bleu"] = bleu.sacrebleu_scores(hyps, refs[:n])["bleu"]
         writer.write(step, val)
-        log(f"step {step} | " + " | ".join(f"{k} {v:.4f}" for k, v in val.items() if k != "val_tokens"))
+        log(f"step {step} | " + " | ".join(f"{k} {v:.4f}" for k, v in val.items() if k not in ("val_tokens", "val_pairs")))
         if task.name == "lm" and cfg.train.sample_every_eval:
           log("sample: " + repr(sample_text(model, full_params(*extra, state["params"]), task.tokenizer, cfg, step)))
         result.update(val)
@@ -615,6 +671,8 @@ def restore_params(cfg, source, abstract_params, log=print, key="train.dpo_refer
   if not os.path.isdir(os.path.join(source, "checkpoints")):
     raise UserError(f"{key}={source} has no checkpoints/: give a training workdir or one written by "
                     "python -m jaxformer.convert")
+  if _is_lora_run(source):  # its checkpoints hold adapters alone: read it as eval/generate/convert do
+    return _restore_merged(cfg, source, abstract_params, key, step)
   with checkpoint_lib.Checkpointer(source, max_to_keep=None, async_save=False) as src:
     if evaluate_lib.stored_scan_layers(src, step) == cfg.model.scan_layers:
       params, meta = src.restore_params(abstract_params, step=step)
@@ -624,6 +682,42 @@ def restore_params(cfg, source, abstract_params, log=print, key="train.dpo_refer
       params = model_lib.convert_layers(params, cfg.model.scan_layers)
       log(f"converted {source}'s layers to the {'scanned' if cfg.model.scan_layers else 'unrolled'} layout")
     where = f"{src.directory}/{meta.get('step')}"
+  return params, where, meta
+
+
+def _is_lora_run(workdir):
+  """Whether `workdir` is a LoRA run (its saved config has train.lora_rank > 0): its params are adapters."""
+  saved = os.path.join(workdir, "config.json")
+  return os.path.isfile(saved) and lora.enabled(config_lib.load_saved_config(saved, warn=lambda *_: None))
+
+
+def _restore_merged(cfg, source, abstract_params, key, step=None):
+  """`restore_params` of a LoRA workdir: its base with its adapters merged in, W + (alpha / r) A B (the
+  plain model `evaluate.load_run` reads), placed on `abstract_params`' shardings.
+
+  One process moves them onto the mesh (donated: no second device copy, which matters for a LoRA base
+  filling one GPU); a multi-host job's processes each build them all and keep their shards, from the host.
+  """
+  _, _, params, _, meta = evaluate_lib.load_run(source, step=step, log=lambda *_: None,
+                                                scan_layers=cfg.model.scan_layers)
+  have = {checksum.path_str(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(params)}
+  want = {checksum.path_str(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(abstract_params)}
+  for path in sorted(want.keys() | have.keys()):
+    if have.get(path) != want.get(path):
+      what = f"{list(have[path])}" if path in have else "nothing"
+      builds = f"{list(want[path])}" if path in want else "nothing"
+      raise UserError(f"{key}={source} (a LoRA run, read merged) has {what} at params/{path} but the config builds "
+                      f"{builds}: give the config that run was trained with")
+  params = jax.tree.map(lambda x, a: x if x.dtype == a.dtype else x.astype(a.dtype), params, abstract_params)
+  if jax.process_count() == 1:
+    params = jax.device_put(params, jax.tree.map(lambda a: a.sharding, abstract_params), donate=True)
+  else:  # the mesh spans processes: each places its shards from a host copy
+    host = jax.device_get(params)
+    del params
+    params = jax.tree.map(lambda a, x: jax.make_array_from_callback(a.shape, a.sharding, lambda idx: x[idx]),
+                          abstract_params, host)
+  where = (f"{os.path.join(source, 'checkpoints')}/{meta.get('step')} (LoRA adapters merged into "
+           f"{meta.get('lora_base')} step {meta.get('lora_base_step')})")
   return params, where, meta
 
 
@@ -661,7 +755,7 @@ def _under_mesh(mesh, jitted):
 
 
 def _has_dev(task):
-  return task.name == "lm" or "dev" in getattr(task, "eval", {})
+  return task.name in ("lm", "dpo") or "dev" in getattr(task, "eval", {})
 
 
 def _steps_this_call(step, train_cfg, task):

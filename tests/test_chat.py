@@ -238,7 +238,8 @@ def dpo_config(tmp_path, *overrides, n=64):
     write_jsonl(path, synthetic.reverse_words_preferences(n))
   return load_config("gpt2_tiny", ["data.tokenizer=byte", "model.vocab_size=259", "data.chat_template=plain", "model.num_layers=1",
                                    f"data.chat_path={path}", "data.block_size=64", "data.batch_size=8",
-                                   "train.objective=dpo", "model.dropout_rate=0", "optim.learning_rate=3e-3",
+                                   "train.objective=dpo", "train.dpo_from_scratch=true", "model.dropout_rate=0",
+                                   "optim.learning_rate=3e-3",
                                    "train.sample_every_eval=false", *overrides])
 
 
