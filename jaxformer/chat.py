@@ -12,6 +12,7 @@ which `tests/test_chat.py` checks against transformers on the fixture templates)
 """
 
 import contextvars
+import hashlib
 import json
 import os
 import re
@@ -117,6 +118,12 @@ class ChatTemplate:
                                   add_generation_prompt=add_generation_prompt, **self.special)
     except Exception as e:  # the template is the user's code: whatever it raises is one line, never a traceback
       raise self._failed(e, where) from None
+
+  @property
+  def sha256(self):
+    """The identity of what this template renders: its text and its special-token strings (the
+    prepared data records it; an export checks it against that)."""
+    return hashlib.sha256(json.dumps([self.text, self.special], sort_keys=True).encode()).hexdigest()
 
   @property
   def marks_generation(self):
@@ -389,20 +396,18 @@ def _content(path):
 def _settings(cfg, tok_path, tokenizer, template):
   """What the shards depend on, by override name; a complete manifest with others is refused in one line,
   an incomplete one is prepared again (`ensure_prepared`). template: a ChatTemplate, or None (none loads)."""
-  import hashlib
   from jaxformer import prepare, sources
   d = cfg.data
   for key in ("data.chat_path", "data.chat_val_path"):  # a missing file is named by the setting that gave it
     path = getattr(d, key.split(".")[1])
     if path and not os.path.isfile(path):
       raise UserError(f"{key}={path}: file not found")
-  rendering = json.dumps([template.text, template.special], sort_keys=True) if template is not None else None
   return {"format": SETTINGS_FORMAT, "train.objective": cfg.train.objective, "data.loss_on": d.loss_on,
           "data.chat_path": _content(d.chat_path), "data.chat_val_path": _content(d.chat_val_path) if d.chat_val_path
           else None, "data.train_fraction": d.train_fraction, "data.add_bos": d.add_bos,
           "data.shard_tokens": d.shard_tokens, "data.chat_template": d.chat_template,
           # the text and special-token strings the template renders with, wherever they came from
-          "template_sha256": hashlib.sha256(rendering.encode()).hexdigest() if rendering else None,
+          "template_sha256": template.sha256 if template is not None else None,
           "tokenizer": {"sha256": prepare.file_sha256(tok_path), "vocab_size": tokenizer.vocab_size},
           "model.pad_id/bos_id/eos_id": [cfg.model.pad_id, cfg.model.bos_id, cfg.model.eos_id],
           "split_seed": sources.SEED}

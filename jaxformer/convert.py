@@ -754,7 +754,6 @@ def chat_export(cfg, kind, workdir, tokenizer_workdir):
   (a converted instruct model's), if any. `tokenizer_workdir`: where the tokenizer lives (a LoRA
   run's base). Runs before anything is written, so a template that cannot be carried is one line.
   """
-  import hashlib
   from jaxformer import chat, prepare, shards, tasks
   path = tasks.tokenizer_path(cfg, tokenizer_workdir)
   if kind == "marian" or path == "byte" or not os.path.isfile(path):
@@ -777,7 +776,7 @@ def chat_export(cfg, kind, workdir, tokenizer_workdir):
   if cfg.data.chat_path:
     ddir = prepare.data_dir(cfg, workdir)
     trained = ((shards.read_manifest(ddir) or {}).get("chat") or {}).get("settings", {}).get("template_sha256")
-    if trained and trained != hashlib.sha256(template.text.encode()).hexdigest():
+    if trained and trained != template.sha256:
       raise UserError(f"chat template {template.name} is not the one {workdir} trained with (its hash differs from "
                       f"{ddir}'s manifest): restore that template, or set data.chat_template to it in "
                       f"{os.path.join(workdir, 'config.json')}")

@@ -476,7 +476,8 @@ def test_a_bad_dpo_answer_exits_2_with_one_line(tmp_path, capsys):
   write_jsonl(path, synthetic.reverse_words_preferences(1) + [{"prompt": USER, "chosen": 5, "rejected": "a"}])
   with pytest.raises(SystemExit) as exit_info:
     train.main(["--config", "gpt2_tiny", "--workdir", str(tmp_path / "run"), "data.tokenizer=byte", "model.vocab_size=259",
-                "data.chat_template=plain", "model.num_layers=1", "train.objective=dpo", f"data.chat_path={path}"])
+                "data.chat_template=plain", "model.num_layers=1", "train.objective=dpo", "train.dpo_from_scratch=true",
+                f"data.chat_path={path}"])
   err = capsys.readouterr().err
   assert exit_info.value.code == 2 and err == f"error: {path}:2: `chosen` must be a string or a list of messages, got 5\n"
 

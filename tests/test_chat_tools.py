@@ -224,7 +224,7 @@ def test_generate_chat_mistakes_are_one_line(sft_run, tmp_path, capsys):
   bad = tmp_path / "bad.json"
   bad.write_text('[{"role": "user", "content": 5}]')
   err = one_line_error(capsys, generate.main, ["--workdir", workdir, "--chat", str(bad)])
-  assert str(bad) in err and "string `role` and `content`" in err, err
+  assert str(bad) in err and "`messages[0]` needs a string `content`, got 5" in err, err
   err = one_line_error(capsys, generate.main, ["--workdir", workdir, "--chat", "hi", "--prompt", "x"])
   assert "--chat" in err and "--prompt" in err
 
