@@ -89,9 +89,9 @@ def window_by_window_nll(model, params, ids, block):
 # `-n 2` each of them runs on one xdist worker; every other test is scheduled alone, as in
 # xdist's default "load". (xdist's own `--dist loadgroup` marks are ignored with pytest 9.2:
 # pytest-dev/pytest-xdist#1386. Before this, test_multihost's 2-minute chain ran on both workers.)
-ONE_WORKER = {"test_chat", "test_cli", "test_convert", "test_convert_mixtral", "test_data", "test_faults",
-              "test_layout", "test_lora", "test_multihost", "test_prepare", "test_reliability", "test_sharding",
-              "test_train"}
+ONE_WORKER = {"test_chat", "test_chat_tools", "test_cli", "test_convert", "test_convert_mixtral", "test_data",
+              "test_dpo", "test_faults", "test_layout", "test_lora", "test_multihost", "test_prepare",
+              "test_reliability", "test_sharding", "test_train"}
 
 
 def pytest_xdist_make_scheduler(config, log):
