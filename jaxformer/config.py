@@ -182,7 +182,8 @@ class TrainConfig:
   dpo_from_scratch: bool = False    # DPO without train.init_from: random policy and reference, on purpose (else refused)
   lora_rank: int = 0                # > 0: train LoRA adapters of this rank on a frozen train.init_from (jaxformer.lora)
   lora_alpha: float = 16.0          # the adapters' product is scaled by lora_alpha / lora_rank
-  lora_targets: str = r"(query|key|value|out|wi|wi_gate|wi_up|wo)/kernel$"  # re.search over kernel paths
+  # re.search over kernel paths (.../query/kernel) and MoE expert weights (.../moe/wi_gate, no /kernel)
+  lora_targets: str = r"(query|key|value|out|wi|wi_gate|wi_up|wo)(/kernel)?$"
 
 
 @dataclasses.dataclass(frozen=True)

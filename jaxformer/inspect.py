@@ -355,7 +355,10 @@ def memory_plan(cfg, mesh, rows, lengths):
   if cfg.train.lora_rank > 0:  # the frozen base (float32); gradients and Adam's moments of the adapters only
     adapters = parameter_bytes_per_device(cfg, sizes, lora.abstract(cfg)[1])
     plan = {"params": params, "adapters": adapters, "grads": adapters, "optimizer": 2 * adapters}
-    lora_tokens = lora.num_adapted(cfg) * cfg.train.lora_rank * jnp.dtype(m.dtype).itemsize
+    # (an MoE expert weight's x A is per token copy: top_k rows a token)
+    experts = lora.num_adapted(cfg, experts_only=True)
+    lora_tokens = ((lora.num_adapted(cfg) - experts + experts * m.moe_top_k) * cfg.train.lora_rank
+                   * jnp.dtype(m.dtype).itemsize)
   elif dpo:
     plan["reference"] = params
   if m.arch == "encoder_decoder":

@@ -453,7 +453,8 @@ def _train_and_evaluate(cfg, workdir, log, lease, early_stop=None):
   log(f"model: {cfg.model.arch}, {n_params:,} parameters; mesh {dict(mesh.shape)}")
   if base is not None:
     log(f"LoRA: {n_params:,} adapter parameters (rank {cfg.train.lora_rank}, alpha {cfg.train.lora_alpha:g}) on "
-        f"{lora.num_adapted(cfg)} kernels of a frozen base of {lora.count(base):,} from {cfg.train.init_from}")
+        f"{lora.num_adapted(cfg)} kernels{_expert_note(cfg)} of a frozen base of {lora.count(base):,} from "
+        f"{cfg.train.init_from}")
 
   step_in = (state_sharding, batch_sharding) + ((base_sharding,) if base is not None else ())
   train_step = _under_mesh(mesh, jax.jit(make_train_step(model, task, cfg, tx, schedule), in_shardings=step_in,
@@ -730,6 +731,15 @@ def _restore_init_params(cfg, abstract_params, tokenizer_path, log, step=None):
     raise UserError(f"tokenizer {tokenizer_path} is not the one {where} was trained with (its hash differs): "
                     "fine-tune with the tokenizer of train.init_from")
   return params, where, meta.get("step")
+
+
+def _expert_note(cfg):
+  """' (N of them MoE expert stacks, ...)' for the LoRA start-up line of an MoE model, else ''."""
+  if not cfg.model.moe_experts:
+    return ""
+  n = lora.num_adapted(cfg, experts_only=True)
+  return (f" ({n} of them MoE expert weights, each with its own A and B per expert of {cfg.model.moe_experts})" if n
+          else " (no MoE expert weight: train.lora_targets matches none of .../moe/wi_gate|wi_up|wi|wo)")
 
 
 def load_lora_base(cfg, mesh, tokenizer_path, step=None, log=print):

@@ -55,11 +55,27 @@ def _random_adapters(cfg, ids):
   return model, base, adapters
 
 
-@pytest.mark.parametrize("name,scan", [("gpt2_tiny", False), ("llama_tiny", True)])
-def test_adapted_model_equals_the_merged_model(name, scan):
-  cfg = _lora_cfg(name, f"model.scan_layers={scan}", "model.remat=full")
+MOE = ("model.moe_experts=4", "model.moe_top_k=2")
+
+
+@pytest.mark.parametrize("name,scan,extra", [
+    ("gpt2_tiny", False, ()), ("llama_tiny", True, ()),
+    # MoE: the experts' per-expert adapters through each dispatch path (CPU blocks, ragged_dot, capacity)
+    ("llama_tiny", True, MOE + ("model.num_layers=1", "model.moe_shared_experts=1")),
+    ("llama_tiny", False, MOE + ("model.num_layers=1", "ragged_dot")),
+    ("gpt2_tiny", False, MOE + ("model.num_layers=1", "model.moe_capacity_factor=1.0"))])
+def test_adapted_model_equals_the_merged_model(name, scan, extra, monkeypatch):
+  from jaxformer import moe  # pylint: disable=g-import-not-at-top
+  if "ragged_dot" in extra:
+    monkeypatch.setattr(moe, "DROPLESS_IMPL", "ragged_dot")
+  cfg = _lora_cfg(name, f"model.scan_layers={scan}", f"model.remat={'full' if scan or not extra else 'none'}",
+                  *(e for e in extra if "=" in e))
   ids = jnp.asarray(np.random.default_rng(0).integers(3, cfg.model.vocab_size, (2, 12)))
   model, base, adapters = _random_adapters(cfg, ids)
+  if extra:  # the experts are adapted: only their adapters on, the merged model still moves
+    def experts_only(path, x):
+      return x if any(str(getattr(k, "key", "")).endswith(lora.EXPERT_SUFFIX) for k in path) else 0 * x
+    adapters = jax.tree_util.tree_map_with_path(experts_only, adapters)
 
   def all_three(base, adapters, ids):  # one compile: adapted (x W + s x A B), merged (W + s A B), base
     with lora.adapters_active(cfg):
@@ -112,6 +128,62 @@ def test_adapters_start_at_zero_with_logical_names():
   assert b_leaves and not any(np.any(np.asarray(b)) for b in b_leaves)  # B = 0: training starts at the base
   assert all(np.asarray(a).std() > 0 for a in a_leaves)
   np.testing.assert_array_equal(_apply(cfg, model, params, ids), _apply(cfg, model, base, ids, adapted=False))
+
+
+def test_default_targets_adapt_moe_experts_per_expert():
+  """On model.moe_experts=4 the default targets adapt the stacked expert weights (wi_gate, wi_up, wo
+  of each MoE layer) besides attention, with per-expert A [experts, in, r] and B [experts, r, out];
+  merge gives W_e + (alpha / r) A_e B_e expert by expert (numpy); the router is not adapted."""
+  cfg = _lora_cfg("llama_tiny", "model.scan_layers=true", *MOE)
+  m = cfg.model
+  paths = lora.target_paths(cfg)
+  assert [p for p in paths if "/moe/" in p] == [f"decoder/layers/moe/{w}" for w in ("wi_gate", "wi_up", "wo")]
+  assert lora.num_adapted(cfg) == m.num_layers * (4 + 3) and lora.num_adapted(cfg, experts_only=True) == m.num_layers * 3
+  _, boxed = lora.abstract(cfg)
+  moe_adapters = boxed["decoder"]["layers"]["moe"]
+  assert sorted(moe_adapters) == ["wi_gate_lora", "wi_up_lora", "wo_lora"]  # no router adapter
+  r, e = cfg.train.lora_rank, m.moe_experts
+  gate, wo = moe_adapters["wi_gate_lora"], moe_adapters["wo_lora"]
+  assert gate[lora.A].value.shape == (m.num_layers, e, m.d_model, r) and gate[lora.B].value.shape == (m.num_layers, e, r, m.d_ff)
+  assert gate[lora.A].names == ("layers", "expert", "embed", "lora") and gate[lora.B].names == ("layers", "expert", "lora", "mlp")
+  assert wo[lora.A].names == ("layers", "expert", "mlp", "lora") and wo[lora.B].names == ("layers", "expert", "lora", "embed")
+  rng = np.random.default_rng(0)  # random arrays of the abstract shapes: no model is compiled
+  base, adapters = (jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(np.float32), nn.unbox(t))
+                    for t in lora.abstract(cfg))
+  merged = jax.device_get(lora.merge(base, adapters, cfg))
+  s = cfg.train.lora_alpha / r
+  for name in ("wi_gate", "wo"):
+    w = np.asarray(base["decoder"]["layers"]["moe"][name], np.float64)  # [layers, experts, in, out]
+    a = np.asarray(adapters["decoder"]["layers"]["moe"][name + "_lora"][lora.A], np.float64)
+    b = np.asarray(adapters["decoder"]["layers"]["moe"][name + "_lora"][lora.B], np.float64)
+    want = np.stack([np.stack([w[l, x] + s * a[l, x] @ b[l, x] for x in range(e)]) for l in range(m.num_layers)])
+    np.testing.assert_allclose(merged["decoder"]["layers"]["moe"][name], want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(merged["decoder"]["layers"]["moe"]["router"]["kernel"],
+                                base["decoder"]["layers"]["moe"]["router"]["kernel"])
+
+
+def test_lora_moe_steps_train_only_the_adapters():
+  """Two LoRA steps on an MoE model: the state holds the adapters alone (the experts' among them), Adam's
+  moments are theirs, the expert adapters' B leaves zero, and the base passed to the step is unchanged."""
+  from jaxformer import optim, tasks  # pylint: disable=g-import-not-at-top
+  cfg = _lora_cfg("llama_tiny", "model.num_layers=1", *MOE, "optim.schedule=constant", "optim.learning_rate=0.02")
+  ids = np.random.default_rng(0).integers(3, cfg.model.vocab_size, (2, 9))
+  batch = {"inputs": jnp.asarray(ids[:, :-1]), "targets": jnp.asarray(ids[:, 1:])}
+  model = model_lib.build_model(cfg.model)
+  tx, schedule = optim.build_optimizer(cfg)
+  state = jax.jit(lambda r: nn.unbox(train.init_state(model, tx, (batch["inputs"],), r, cfg=cfg)))(jax.random.PRNGKey(0))
+  base, _ = lora.split(_init(cfg, model, batch["inputs"]))
+  before = jax.device_get(base)
+  assert {p[-1].key for p, _ in jax.tree_util.tree_leaves_with_path(state["params"])} == {lora.A, lora.B}
+  assert sum(x.size for x in jax.tree.leaves(state["opt_state"]) if np.ndim(x) > 0) == 2 * lora.count(state["params"])
+  step = jax.jit(train.make_train_step(model, tasks.LMTask, cfg, tx, schedule))
+  for _ in range(2):
+    state, metrics = step(state, batch, base)
+  assert bool(metrics["finite"])
+  experts = state["params"]["decoder"]["layer_0"]["moe"]
+  for name in ("wi_gate_lora", "wi_up_lora", "wo_lora"):
+    assert float(np.abs(np.asarray(experts[name][lora.B])).max()) > 1e-4, name  # trained from B = 0
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(base), before)
 
 
 def test_bad_lora_settings_are_one_line_errors():
