@@ -233,13 +233,36 @@ def merge(base, adapters, cfg):
   return walk(base, adapters)
 
 
+def base_dtype(cfg):
+  """The frozen base's storage dtype, train.lora_base_dtype (float32 or bfloat16)."""
+  return jnp.dtype(cfg.train.lora_base_dtype)
+
+
+def cast_base(base, cfg):
+  """The base params (arrays or ShapeDtypeStructs, boxed or not) with floating leaves in
+  train.lora_base_dtype. The model reads a bfloat16 kernel as it reads a float32 one: flax promotes
+  it to model.dtype for the product (so a float32-compute model multiplies the rounded weights
+  in float32), and the adapters, their gradients and Adam's moments stay float32."""
+  dtype = base_dtype(cfg)
+
+  def cast(x):
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == dtype:
+      return x
+    return jax.ShapeDtypeStruct(x.shape, dtype, sharding=getattr(x, "sharding", None)) \
+        if isinstance(x, jax.ShapeDtypeStruct) else x.astype(dtype)
+
+  return jax.tree.map(cast, base)
+
+
 @functools.lru_cache(maxsize=16)  # inspect's batch search asks for it many times
 def abstract(cfg):
-  """(base, adapters) boxed ShapeDtypeStruct trees (logical names kept) of the LoRA model; nothing allocated."""
+  """(base, adapters) boxed ShapeDtypeStruct trees (logical names kept) of the LoRA model, the base in
+  train.lora_base_dtype; nothing allocated."""
   model = model_lib.build_model(cfg.model)
   with adapters_active(cfg):
     params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), *_dummy_inputs(cfg.model)))["params"]
-  return split(params)
+  base, adapters = split(params)
+  return cast_base(base, cfg), adapters
 
 
 def num_adapted(cfg, experts_only=False):

@@ -186,6 +186,82 @@ def test_lora_moe_steps_train_only_the_adapters():
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(base), before)
 
 
+def _floating_dtypes(tree):
+  return {str(x.dtype) for x in jax.tree.leaves(nn.unbox(tree)) if jnp.issubdtype(x.dtype, jnp.floating)}
+
+
+def test_bfloat16_base_is_stored_bf16_and_gives_the_float32_logits_within_bf16_rounding():
+  """train.lora_base_dtype=bfloat16: every floating base param is bfloat16 (the abstract tree the
+  trainer restores onto, and a cast base), the adapters float32; the adapted logits on it match the
+  float32 base's within bfloat16 rounding (and do differ: the rounded weights are the ones used),
+  and a LoRA step on it trains the float32 adapters with float32 Adam moments."""
+  from jaxformer import optim, tasks  # pylint: disable=g-import-not-at-top
+  cfg32 = _lora_cfg("llama_tiny", "model.num_layers=1", "optim.schedule=constant", "optim.learning_rate=0.02")
+  cfg = config_lib.replace(cfg32, **{"train.lora_base_dtype": "bfloat16"})
+  boxed_base, boxed_adapters = lora.abstract(cfg)
+  assert _floating_dtypes(boxed_base) == {"bfloat16"} and _floating_dtypes(boxed_adapters) == {"float32"}
+  assert _floating_dtypes(lora.abstract(cfg32)[0]) == {"float32"}
+  assert lora.count(boxed_base) == lora.count(lora.abstract(cfg32)[0])
+  ids = np.random.default_rng(0).integers(3, cfg.model.vocab_size, (2, 13))
+  batch = {"inputs": jnp.asarray(ids[:, :-1]), "targets": jnp.asarray(ids[:, 1:])}
+  model, base32, adapters = _random_adapters(cfg32, batch["inputs"])
+  base16 = lora.cast_base(base32, cfg)
+  assert _floating_dtypes(base16) == {"bfloat16"}
+
+  def logits(base, adapters):
+    with lora.adapters_active(cfg):
+      return model.apply({"params": lora.combine(base, adapters)}, batch["inputs"])
+  run = jax.jit(logits)
+  want, got = np.asarray(run(base32, adapters)), np.asarray(run(base16, adapters))
+  assert got.dtype == np.float32
+  err = np.abs(got - want).max()
+  assert 0 < err < 0.02 * np.abs(want).max(), (err, np.abs(want).max())  # bf16 keeps 8 bits: ~0.4% a weight
+  # model.dtype=bfloat16 (llama3_8b's) already multiplies bf16 copies of the weights: the same logits, bitwise.
+  bf16_model = model_lib.build_model(config_lib.replace(cfg.model, dtype="bfloat16"))
+  def bf16_logits(base, adapters):
+    with lora.adapters_active(cfg):
+      return bf16_model.apply({"params": lora.combine(base, adapters)}, batch["inputs"])
+  run = jax.jit(bf16_logits)
+  np.testing.assert_array_equal(np.asarray(run(base16, adapters)), np.asarray(run(base32, adapters)))
+  tx, schedule = optim.build_optimizer(cfg)
+  state = jax.jit(lambda r: nn.unbox(train.init_state(model, tx, (batch["inputs"],), r, cfg=cfg)))(jax.random.PRNGKey(0))
+  step = jax.jit(train.make_train_step(model, tasks.LMTask, cfg, tx, schedule))
+  state, metrics = step(state, batch, base16)
+  state, metrics = step(state, batch, base16)
+  assert bool(metrics["finite"])
+  assert _floating_dtypes(state["params"]) == {"float32"} and _floating_dtypes(state["opt_state"]) == {"float32"}
+  assert float(np.abs(np.asarray(state["params"]["decoder"]["layer_0"]["ffn"]["wo"][lora.B])).max()) > 1e-4
+
+
+def test_bfloat16_base_is_read_from_a_float32_checkpoint_in_verified_groups(tmp_path, monkeypatch):
+  """A float32 base checkpoint (unrolled, as convert writes) restored for train.lora_base_dtype=bfloat16
+  with model.scan_layers=true: read a few leaves at a time at float32 (each group's checksums checked),
+  cast, stacked: bitwise the float32 params rounded to bfloat16, and a tampered checksum is still caught."""
+  cfg = _lora_cfg("llama_tiny", "model.scan_layers=true", "train.lora_base_dtype=bfloat16")
+  unrolled = config_lib.replace(cfg, **{"model.scan_layers": False, "train.lora_base_dtype": "float32"})
+  rng = np.random.default_rng(0)
+  base32 = jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(np.float32), nn.unbox(lora.abstract(unrolled)[0]))
+  checkpoint_lib.save_params(str(tmp_path / "base"), base32, step=3, meta={"step": 3})
+  reads = []
+  original = checkpoint_lib.Checkpointer._read
+  monkeypatch.setattr(checkpoint_lib.Checkpointer, "_read", lambda self, *a, **k: reads.append(1) or original(self, *a, **k))
+  monkeypatch.setattr(checkpoint_lib, "NARROW_GROUP_BYTES", 4 * lora.count(base32) // 8)  # ~8 groups
+  abstract = nn.unbox(lora.abstract(cfg)[0])
+  params, where, _ = train.restore_params(cfg, str(tmp_path / "base"), abstract, **QUIET)
+  assert where.endswith("/3") and len(reads) >= 1 + 6  # the metadata, then the groups
+  assert _floating_dtypes(params) == {"bfloat16"}
+  want = model_lib.convert_layers(jax.tree.map(lambda x: jnp.asarray(x).astype(jnp.bfloat16), base32), True)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(params), jax.device_get(want))
+  meta_files = glob.glob(str(tmp_path / "base" / "checkpoints" / "3" / "meta" / "*"))
+  meta_file = next(f for f in meta_files if os.path.isfile(f) and "checksums" in pathlib.Path(f).read_text())
+  record = json.loads(pathlib.Path(meta_file).read_text())
+  key = next(k for k in record["checksums"]["arrays"] if k.endswith("ffn/wo/kernel"))
+  record["checksums"]["arrays"][key] = "0" * len(record["checksums"]["arrays"][key])
+  pathlib.Path(meta_file).write_text(json.dumps(record))
+  with pytest.raises(checkpoint_lib.DamagedCheckpoint, match="wo/kernel does not match its checksum"):
+    train.restore_params(cfg, str(tmp_path / "base"), abstract, **QUIET)
+
+
 def test_bad_lora_settings_are_one_line_errors():
   cfg = _lora_cfg("llama_tiny", "train.lora_targets=qproj")
   with pytest.raises(UserError) as e:
@@ -201,6 +277,8 @@ def test_bad_lora_settings_are_one_line_errors():
     _lora_cfg("gpt2_tiny", "train.lora_targets=(query")
   with pytest.raises(UserError, match="lora_rank=-1"):
     config_lib.load_config("gpt2_tiny", ["train.lora_rank=-1"])
+  with pytest.raises(UserError, match="train.lora_base_dtype='float16': choose float32 or bfloat16"):
+    _lora_cfg("gpt2_tiny", "train.lora_base_dtype=float16")
 
 
 # ---------------------------------------------------------------------------
