@@ -22,12 +22,14 @@ checkpoints `<step>.corrupt`, out of orbax's listing, and restores the one befor
 
 import errno
 import logging
+import math
 import os
 import shutil
 import sys
 import traceback
 
 from etils import epath
+from flax import traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -161,6 +163,15 @@ def _stored_shape(leaf):
   if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
     return tuple(jax.eval_shape(jax.random.key_data, leaf).shape)
   return tuple(leaf.shape)
+
+
+# train.lora_base_dtype=bfloat16 reads a float32 base in groups of about this many (stored) bytes.
+NARROW_GROUP_BYTES = 1 << 30
+
+
+def _cast(x, dtype, sharding):
+  """x cast to `dtype`, laid out by `sharding` (one small program per shape)."""
+  return jax.jit(lambda y: y.astype(dtype), out_shardings=sharding)(x)
 
 
 def _with_default_shardings(abstract):
@@ -302,7 +313,8 @@ class Checkpointer:
     return int(step)
 
   def _check_shapes(self, step, abstract, prefix=""):
-    """Raises UserError on the first leaf whose shape differs from the config.
+    """Raises UserError on the first leaf whose shape differs from the config; returns the
+    stored dtypes, {path: numpy dtype or None}.
 
     `prefix` restricts the check to one subtree ('params' for params-only
     restores); extra checkpoint entries outside it are fine then.
@@ -313,6 +325,8 @@ class Checkpointer:
         checksum.path_str(p): tuple(getattr(m, "shape", ()))
         for p, m in jax.tree_util.tree_leaves_with_path(stored.tree)
     }
+    dtypes = {checksum.path_str(p): getattr(m, "dtype", None)
+              for p, m in jax.tree_util.tree_leaves_with_path(stored.tree)}
     want = {
         checksum.path_str(p): _stored_shape(x)
         for p, x in jax.tree_util.tree_leaves_with_path(abstract)
@@ -334,6 +348,7 @@ class Checkpointer:
         raise UserError(
             f"checkpoint has {path} {list(shape)} which the config does not "
             f"build: {hint}")
+    return dtypes
 
   def _verify(self, step, tree, meta):
     """Checks `tree` (restored from `step`) against the checksums in `meta`; pops them from `meta`.
@@ -470,10 +485,10 @@ class Checkpointer:
     """
     step = self._resolve_step(step)
     abstract = {"params": _with_default_shardings(abstract_params)}
-    self._check_shapes(step, abstract, prefix="params/")
+    stored_dtypes = self._check_shapes(step, abstract, prefix="params/")
     step_dir = os.path.join(self.directory, str(step))
 
-    def read():
+    def read(abstract):
       # The manager binds `state` to StandardRestore once it has saved; partial
       # restores need the PyTree handler, so read the item directory directly.
       with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
@@ -488,9 +503,45 @@ class Checkpointer:
         meta = ckptr.restore(os.path.join(step_dir, "meta"), args=ocp.args.JsonRestore())
       return state, dict(meta or {})
 
-    state, meta = self._read(step, read)
-    self._verify(step, {"params": state["params"]}, meta)
-    return state["params"], meta
+    flat = traverse_util.flatten_dict(abstract)
+    wide = {k: np.dtype(stored_dtypes["/".join(k)]) for k, x in flat.items()
+            if stored_dtypes.get("/".join(k)) is not None
+            and np.dtype(stored_dtypes["/".join(k)]).itemsize > np.dtype(x.dtype).itemsize}
+    if not wide:
+      state, meta = self._read(step, lambda: read(abstract))
+      self._verify(step, {"params": state["params"]}, meta)
+      return state["params"], meta
+    return self._restore_narrowed(step, flat, wide, read)
+
+  def _restore_narrowed(self, step, flat, wide, read):
+    """restore_params where the abstract asks for a narrower dtype than a leaf was stored in (a
+    float32 checkpoint into a bfloat16 LoRA base, train.lora_base_dtype): the leaves are read in
+    groups of about NARROW_GROUP_BYTES at their stored dtype, verified against the checksums there (which
+    are of the stored values), then cast and the wide copies dropped, so the whole tree never exists
+    at the wide dtype (a float32 Llama 3.1 8B base, 32 GB, would not fit the 24 GB card the
+    bfloat16 one is for). flat: {("params", ...): ShapeDtypeStruct}; wide: {key: stored dtype}."""
+    groups, size, group_bytes = [[]], 0, NARROW_GROUP_BYTES
+    for key, x in flat.items():
+      nbytes = math.prod(x.shape) * (wide[key] if key in wide else np.dtype(x.dtype)).itemsize
+      if groups[-1] and size + nbytes > group_bytes:
+        groups.append([])
+        size = 0
+      groups[-1].append(key)
+      size += nbytes
+    out, meta = {}, {}
+    for keys in groups:
+      part = {k: (jax.ShapeDtypeStruct(flat[k].shape, wide[k], sharding=flat[k].sharding) if k in wide else flat[k])
+              for k in keys}
+      state, meta = self._read(step, lambda part=part: read(traverse_util.unflatten_dict(part)))
+      self._verify(step, {"params": state["params"]}, dict(meta))
+      got = traverse_util.flatten_dict(state)
+      del state
+      for k in keys:
+        x = got.pop(k)
+        out[k] = _cast(x, flat[k].dtype, flat[k].sharding) if k in wide else x
+        del x
+    meta.pop("checksums", None)
+    return traverse_util.unflatten_dict(out)["params"], meta
 
   def check(self):
     """Raises `CheckpointWriteError` now if an asynchronous save has already failed; never waits.

@@ -182,7 +182,9 @@ class TrainConfig:
   dpo_from_scratch: bool = False    # DPO without train.init_from: random policy and reference, on purpose (else refused)
   lora_rank: int = 0                # > 0: train LoRA adapters of this rank on a frozen train.init_from (jaxformer.lora)
   lora_alpha: float = 16.0          # the adapters' product is scaled by lora_alpha / lora_rank
-  lora_targets: str = r"(query|key|value|out|wi|wi_gate|wi_up|wo)/kernel$"  # re.search over kernel paths
+  lora_base_dtype: str = "float32"  # float32 | bfloat16: the frozen base's storage (adapters, Adam stay float32)
+  # re.search over kernel paths (.../query/kernel) and MoE expert weights (.../moe/wi_gate, no /kernel)
+  lora_targets: str = r"(query|key|value|out|wi|wi_gate|wi_up|wo)(/kernel)?$"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,6 +394,8 @@ def _validate(cfg):
     raise UserError(f"train.dpo_reference={cfg.train.dpo_reference} with train.lora_rank: DPO with LoRA takes "
                     "train.init_from with the adapters off as its reference (no second copy of the weights); "
                     "drop train.dpo_reference, or set train.lora_rank=0")
+  if cfg.train.lora_base_dtype not in ("float32", "bfloat16"):
+    raise UserError(f"train.lora_base_dtype={cfg.train.lora_base_dtype!r}: choose float32 or bfloat16")
   if cfg.train.lora_rank:  # (train.init_from, the frozen base, is checked when training starts: inspect needs none)
     try:
       re.compile(cfg.train.lora_targets)

@@ -281,7 +281,7 @@ def _mesh_sizes(mesh):
 
 
 def parameter_bytes_per_device(cfg, mesh, tree=None):
-  """float32 parameter bytes one device holds under the sharding rules (a dimension that
+  """Parameter bytes (at each leaf's dtype) one device holds under the sharding rules (a dimension that
   its mesh axes do not divide is replicated, as `sharding.logical_sharding` does); `tree`: other
   boxed params (a LoRA run's adapters) instead of the model's."""
   m, sizes = _model_cfg(cfg), _mesh_sizes(mesh)
@@ -327,7 +327,7 @@ def block_residual_bytes(m: ModelConfig, rows, length, causal=True, cross=False,
 
 
 def memory_plan(cfg, mesh, rows, lengths):
-  """Per-device bytes of one training step (Adam/AdamW, float32 params) and their sum.
+  """Per-device bytes of one training step (Adam/AdamW, float32 params; a LoRA base in train.lora_base_dtype) and their sum.
 
   rows: the global batch (sequences; train.objective=dpo: pairs, two sequences each); lengths: (length,)
   for an LM, (src, tgt) for translation.
@@ -352,10 +352,15 @@ def memory_plan(cfg, mesh, rows, lengths):
   params = parameter_bytes_per_device(cfg, sizes)
   plan = {"params": params, "grads": params, "optimizer": 2 * params}
   lora_tokens = 0  # LoRA: each adapted projection also keeps x A [tokens, r] for the backward pass
-  if cfg.train.lora_rank > 0:  # the frozen base (float32); gradients and Adam's moments of the adapters only
-    adapters = parameter_bytes_per_device(cfg, sizes, lora.abstract(cfg)[1])
+  if cfg.train.lora_rank > 0:  # the frozen base (train.lora_base_dtype); gradients and Adam's moments of the adapters only
+    base, adapter_tree = lora.abstract(cfg)
+    params = parameter_bytes_per_device(cfg, sizes, base)
+    adapters = parameter_bytes_per_device(cfg, sizes, adapter_tree)
     plan = {"params": params, "adapters": adapters, "grads": adapters, "optimizer": 2 * adapters}
-    lora_tokens = lora.num_adapted(cfg) * cfg.train.lora_rank * jnp.dtype(m.dtype).itemsize
+    # (an MoE expert weight's x A is per token copy: top_k rows a token)
+    experts = lora.num_adapted(cfg, experts_only=True)
+    lora_tokens = ((lora.num_adapted(cfg) - experts + experts * m.moe_top_k) * cfg.train.lora_rank
+                   * jnp.dtype(m.dtype).itemsize)
   elif dpo:
     plan["reference"] = params
   if m.arch == "encoder_decoder":
@@ -409,7 +414,7 @@ def memory_report(cfg, mesh, rows, lengths):
            "optimizer": "Adam: 2 moments x params", "activations": "kept for the backward pass, all layers",
            "logits": "float32 logits + their gradient", "reference": "DPO's frozen reference: a float32 copy of the params"}
   if cfg.train.lora_rank > 0:
-    notes.update(params="the frozen base, float32, sharded by the rules",
+    notes.update(params=f"the frozen base, {cfg.train.lora_base_dtype} (train.lora_base_dtype), sharded by the rules",
                  adapters=f"LoRA rank {cfg.train.lora_rank} on {lora.num_adapted(cfg)} kernels, float32",
                  grads="float32, the adapters' only", optimizer="Adam: 2 moments x adapters",
                  activations="kept for the backward pass, all layers, + x A per adapter")

@@ -148,14 +148,19 @@ class MoEFeedForward(nn.Module):
     init = layers._param(layers.kernel_init(cfg), ("expert", "embed", "mlp"))
     init_out = layers._param(layers.kernel_init(cfg), ("expert", "mlp", "embed"))
     names_in = ("wi_gate", "wi_up") if cfg.activation == "swiglu" else ("wi",)
-    w_in = [self.param(name, init, (num_e, d, f), jnp.float32) for name in names_in]
-    w_out = self.param("wo", init_out, (num_e, f, d), jnp.float32)
+    w_in = [self.expert_weight(name, self.param(name, init, (num_e, d, f), jnp.float32)) for name in names_in]
+    w_out = self.expert_weight("wo", self.param("wo", init_out, (num_e, f, d), jnp.float32))
     dtype = jnp.dtype(cfg.matmul_dtype if cfg.matmul_dtype != "float32" else cfg.dtype)
 
     def ffn(h, matmul, w_in=w_in, w_out=w_out):
       """The experts' FFN on rows h through `matmul(rows, weight [experts, in, out])`."""
-      hidden = [matmul(h, w.astype(dtype)) for w in w_in]
-      return matmul(_activation(cfg, hidden).astype(dtype), w_out.astype(dtype))
+      def project(h, w):
+        if isinstance(w, tuple):  # LoRA adapters (see `expert_weight`): h W + (h A) (s B), each row by its expert
+          w, a, b = w
+          return matmul(h, w.astype(dtype)) + matmul(matmul(h, a.astype(dtype)).astype(dtype), b.astype(dtype))
+        return matmul(h, w.astype(dtype))
+      hidden = [project(h, w) for w in w_in]
+      return project(_activation(cfg, hidden).astype(dtype), w_out)
 
     if cfg.moe_capacity_factor > 0 and not deterministic:  # training only (see the module docstring)
       cap = capacity(cfg, n)
@@ -196,6 +201,16 @@ class MoEFeedForward(nn.Module):
       y = y + layers.FeedForward(shared, name="shared")(x, deterministic)
     return y
 
+  def expert_weight(self, name, w):
+    """The expert weight `name` (w [experts, in, out]) as the FFN multiplies by it: w itself.
+
+    `lora.adapters_active` intercepts this method to return (w, A [experts, in, r], s B [experts,
+    r, out]) instead, per-expert adapters whose product every dispatch path applies to each row
+    through the same matmul as W (so the adapters go wherever the expert's rows go).
+    """
+    del name
+    return w
+
 
 def _expert_axis_size():
   """The size of the current mesh's `expert` axis (1 without a mesh: init, decoding)."""
@@ -207,7 +222,8 @@ def all_to_all_dispatch(x, top_e, w_in, w_out, ffn):
   """Dropless expert parallelism by explicit token exchange (model.moe_dispatch=all_to_all).
 
   x [batch, length, d_model] and top_e [batch, length, top_k] (batch over data x fsdp x expert,
-  as sharding.RULES splits it), the expert weights [experts, ...] (over `expert`) -> each
+  as sharding.RULES splits it), the expert weights [experts, ...] (over `expert`; each an array or
+  LoRA's (W, A, s B), all split on their leading experts axis) -> each
   token copy's expert output [batch, length, top_k, d_model], in `shard_map` over the mesh:
   each device writes its n' tokens' copies into a [experts, n', d_model] buffer (an expert
   gets at most one copy per token, so n' rows never drop one), `jax.lax.all_to_all` over the
@@ -220,7 +236,7 @@ def all_to_all_dispatch(x, top_e, w_in, w_out, ffn):
   """
   mesh = jax.sharding.get_abstract_mesh()
   batch_axes = tuple(a for a in dict(sharding.RULES)["batch"] if a in mesh.axis_names)
-  num_e, x_size = w_out.shape[0], mesh.shape["expert"]
+  num_e, x_size = jax.tree.leaves(w_out)[0].shape[0], mesh.shape["expert"]  # (w_out: an array or LoRA's tuple)
 
   def local(x, top_e, w_in, w_out):
     b, t, d = x.shape

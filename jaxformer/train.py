@@ -453,7 +453,8 @@ def _train_and_evaluate(cfg, workdir, log, lease, early_stop=None):
   log(f"model: {cfg.model.arch}, {n_params:,} parameters; mesh {dict(mesh.shape)}")
   if base is not None:
     log(f"LoRA: {n_params:,} adapter parameters (rank {cfg.train.lora_rank}, alpha {cfg.train.lora_alpha:g}) on "
-        f"{lora.num_adapted(cfg)} kernels of a frozen base of {lora.count(base):,} from {cfg.train.init_from}")
+        f"{lora.num_adapted(cfg)} kernels{_expert_note(cfg)} of a frozen base of {lora.count(base):,} from "
+        f"{cfg.train.init_from}")
 
   step_in = (state_sharding, batch_sharding) + ((base_sharding,) if base is not None else ())
   train_step = _under_mesh(mesh, jax.jit(make_train_step(model, task, cfg, tx, schedule), in_shardings=step_in,
@@ -678,8 +679,13 @@ def restore_params(cfg, source, abstract_params, log=print, key="train.dpo_refer
       params, meta = src.restore_params(abstract_params, step=step)
     else:  # e.g. a converted Hugging Face model (unrolled) fine-tuned with model.scan_layers=true
       layout = config_lib.replace(cfg, **{"model.scan_layers": not cfg.model.scan_layers})
-      params, meta = src.restore_params(evaluate_lib.abstract_params(layout)[1], step=step)
-      params = model_lib.convert_layers(params, cfg.model.scan_layers)
+      # (the dtypes asked for, e.g. a bfloat16 LoRA base, carried over to the stored layout)
+      dtypes = jax.eval_shape(lambda t: model_lib.convert_layers(t, not cfg.model.scan_layers), abstract_params)
+      stored = jax.tree.map(lambda a, d: jax.ShapeDtypeStruct(a.shape, d.dtype),
+                            evaluate_lib.abstract_params(layout)[1], dtypes)
+      params, meta = src.restore_params(stored, step=step)
+      params = (model_lib.stack_layers_consuming(params) if cfg.model.scan_layers  # (one layout at a time)
+                else model_lib.convert_layers(params, False))
       log(f"converted {source}'s layers to the {'scanned' if cfg.model.scan_layers else 'unrolled'} layout")
     where = f"{src.directory}/{meta.get('step')}"
   return params, where, meta
@@ -732,6 +738,15 @@ def _restore_init_params(cfg, abstract_params, tokenizer_path, log, step=None):
   return params, where, meta.get("step")
 
 
+def _expert_note(cfg):
+  """' (N of them MoE expert stacks, ...)' for the LoRA start-up line of an MoE model, else ''."""
+  if not cfg.model.moe_experts:
+    return ""
+  n = lora.num_adapted(cfg, experts_only=True)
+  return (f" ({n} of them MoE expert weights, each with its own A and B per expert of {cfg.model.moe_experts})" if n
+          else " (no MoE expert weight: train.lora_targets matches none of .../moe/wi_gate|wi_up|wi|wo)")
+
+
 def load_lora_base(cfg, mesh, tokenizer_path, step=None, log=print):
   """(base params on the mesh, their shardings, checkpoint meta) for a LoRA run: train.init_from's
   params at `step` (default: its latest), frozen; the meta records where they came from."""
@@ -740,7 +755,7 @@ def load_lora_base(cfg, mesh, tokenizer_path, step=None, log=print):
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.unbox(boxed),
                           base_sharding)
   base, where, base_step = _restore_init_params(cfg, abstract, tokenizer_path, log, step)
-  log(f"LoRA base: {where}, frozen (not written to this run's checkpoints)")
+  log(f"LoRA base: {where}, frozen, {cfg.train.lora_base_dtype} (not written to this run's checkpoints)")
   return base, base_sharding, {"lora_base": os.path.abspath(cfg.train.init_from), "lora_base_step": base_step}
 
 

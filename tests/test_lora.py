@@ -55,11 +55,27 @@ def _random_adapters(cfg, ids):
   return model, base, adapters
 
 
-@pytest.mark.parametrize("name,scan", [("gpt2_tiny", False), ("llama_tiny", True)])
-def test_adapted_model_equals_the_merged_model(name, scan):
-  cfg = _lora_cfg(name, f"model.scan_layers={scan}", "model.remat=full")
+MOE = ("model.moe_experts=4", "model.moe_top_k=2")
+
+
+@pytest.mark.parametrize("name,scan,extra", [
+    ("gpt2_tiny", False, ()), ("llama_tiny", True, ()),
+    # MoE: the experts' per-expert adapters through each dispatch path (CPU blocks, ragged_dot, capacity)
+    ("llama_tiny", True, MOE + ("model.num_layers=1", "model.moe_shared_experts=1")),
+    ("llama_tiny", False, MOE + ("model.num_layers=1", "ragged_dot")),
+    ("gpt2_tiny", False, MOE + ("model.num_layers=1", "model.moe_capacity_factor=1.0"))])
+def test_adapted_model_equals_the_merged_model(name, scan, extra, monkeypatch):
+  from jaxformer import moe  # pylint: disable=g-import-not-at-top
+  if "ragged_dot" in extra:
+    monkeypatch.setattr(moe, "DROPLESS_IMPL", "ragged_dot")
+  cfg = _lora_cfg(name, f"model.scan_layers={scan}", f"model.remat={'full' if scan or not extra else 'none'}",
+                  *(e for e in extra if "=" in e))
   ids = jnp.asarray(np.random.default_rng(0).integers(3, cfg.model.vocab_size, (2, 12)))
   model, base, adapters = _random_adapters(cfg, ids)
+  if extra:  # the experts are adapted: only their adapters on, the merged model still moves
+    def experts_only(path, x):
+      return x if any(str(getattr(k, "key", "")).endswith(lora.EXPERT_SUFFIX) for k in path) else 0 * x
+    adapters = jax.tree_util.tree_map_with_path(experts_only, adapters)
 
   def all_three(base, adapters, ids):  # one compile: adapted (x W + s x A B), merged (W + s A B), base
     with lora.adapters_active(cfg):
@@ -114,6 +130,138 @@ def test_adapters_start_at_zero_with_logical_names():
   np.testing.assert_array_equal(_apply(cfg, model, params, ids), _apply(cfg, model, base, ids, adapted=False))
 
 
+def test_default_targets_adapt_moe_experts_per_expert():
+  """On model.moe_experts=4 the default targets adapt the stacked expert weights (wi_gate, wi_up, wo
+  of each MoE layer) besides attention, with per-expert A [experts, in, r] and B [experts, r, out];
+  merge gives W_e + (alpha / r) A_e B_e expert by expert (numpy); the router is not adapted."""
+  cfg = _lora_cfg("llama_tiny", "model.scan_layers=true", *MOE)
+  m = cfg.model
+  paths = lora.target_paths(cfg)
+  assert [p for p in paths if "/moe/" in p] == [f"decoder/layers/moe/{w}" for w in ("wi_gate", "wi_up", "wo")]
+  assert lora.num_adapted(cfg) == m.num_layers * (4 + 3) and lora.num_adapted(cfg, experts_only=True) == m.num_layers * 3
+  _, boxed = lora.abstract(cfg)
+  moe_adapters = boxed["decoder"]["layers"]["moe"]
+  assert sorted(moe_adapters) == ["wi_gate_lora", "wi_up_lora", "wo_lora"]  # no router adapter
+  r, e = cfg.train.lora_rank, m.moe_experts
+  gate, wo = moe_adapters["wi_gate_lora"], moe_adapters["wo_lora"]
+  assert gate[lora.A].value.shape == (m.num_layers, e, m.d_model, r) and gate[lora.B].value.shape == (m.num_layers, e, r, m.d_ff)
+  assert gate[lora.A].names == ("layers", "expert", "embed", "lora") and gate[lora.B].names == ("layers", "expert", "lora", "mlp")
+  assert wo[lora.A].names == ("layers", "expert", "mlp", "lora") and wo[lora.B].names == ("layers", "expert", "lora", "embed")
+  rng = np.random.default_rng(0)  # random arrays of the abstract shapes: no model is compiled
+  base, adapters = (jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(np.float32), nn.unbox(t))
+                    for t in lora.abstract(cfg))
+  merged = jax.device_get(lora.merge(base, adapters, cfg))
+  s = cfg.train.lora_alpha / r
+  for name in ("wi_gate", "wo"):
+    w = np.asarray(base["decoder"]["layers"]["moe"][name], np.float64)  # [layers, experts, in, out]
+    a = np.asarray(adapters["decoder"]["layers"]["moe"][name + "_lora"][lora.A], np.float64)
+    b = np.asarray(adapters["decoder"]["layers"]["moe"][name + "_lora"][lora.B], np.float64)
+    want = np.stack([np.stack([w[l, x] + s * a[l, x] @ b[l, x] for x in range(e)]) for l in range(m.num_layers)])
+    np.testing.assert_allclose(merged["decoder"]["layers"]["moe"][name], want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(merged["decoder"]["layers"]["moe"]["router"]["kernel"],
+                                base["decoder"]["layers"]["moe"]["router"]["kernel"])
+
+
+def test_lora_moe_steps_train_only_the_adapters():
+  """Two LoRA steps on an MoE model: the state holds the adapters alone (the experts' among them), Adam's
+  moments are theirs, the expert adapters' B leaves zero, and the base passed to the step is unchanged."""
+  from jaxformer import optim, tasks  # pylint: disable=g-import-not-at-top
+  cfg = _lora_cfg("llama_tiny", "model.num_layers=1", *MOE, "optim.schedule=constant", "optim.learning_rate=0.02")
+  ids = np.random.default_rng(0).integers(3, cfg.model.vocab_size, (2, 9))
+  batch = {"inputs": jnp.asarray(ids[:, :-1]), "targets": jnp.asarray(ids[:, 1:])}
+  model = model_lib.build_model(cfg.model)
+  tx, schedule = optim.build_optimizer(cfg)
+  state = jax.jit(lambda r: nn.unbox(train.init_state(model, tx, (batch["inputs"],), r, cfg=cfg)))(jax.random.PRNGKey(0))
+  base, _ = lora.split(_init(cfg, model, batch["inputs"]))
+  before = jax.device_get(base)
+  assert {p[-1].key for p, _ in jax.tree_util.tree_leaves_with_path(state["params"])} == {lora.A, lora.B}
+  assert sum(x.size for x in jax.tree.leaves(state["opt_state"]) if np.ndim(x) > 0) == 2 * lora.count(state["params"])
+  step = jax.jit(train.make_train_step(model, tasks.LMTask, cfg, tx, schedule))
+  for _ in range(2):
+    state, metrics = step(state, batch, base)
+  assert bool(metrics["finite"])
+  experts = state["params"]["decoder"]["layer_0"]["moe"]
+  for name in ("wi_gate_lora", "wi_up_lora", "wo_lora"):
+    assert float(np.abs(np.asarray(experts[name][lora.B])).max()) > 1e-4, name  # trained from B = 0
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(base), before)
+
+
+def _floating_dtypes(tree):
+  return {str(x.dtype) for x in jax.tree.leaves(nn.unbox(tree)) if jnp.issubdtype(x.dtype, jnp.floating)}
+
+
+def test_bfloat16_base_is_stored_bf16_and_gives_the_float32_logits_within_bf16_rounding():
+  """train.lora_base_dtype=bfloat16: every floating base param is bfloat16 (the abstract tree the
+  trainer restores onto, and a cast base), the adapters float32; the adapted logits on it match the
+  float32 base's within bfloat16 rounding (and do differ: the rounded weights are the ones used),
+  and a LoRA step on it trains the float32 adapters with float32 Adam moments."""
+  from jaxformer import optim, tasks  # pylint: disable=g-import-not-at-top
+  cfg32 = _lora_cfg("llama_tiny", "model.num_layers=1", "optim.schedule=constant", "optim.learning_rate=0.02")
+  cfg = config_lib.replace(cfg32, **{"train.lora_base_dtype": "bfloat16"})
+  boxed_base, boxed_adapters = lora.abstract(cfg)
+  assert _floating_dtypes(boxed_base) == {"bfloat16"} and _floating_dtypes(boxed_adapters) == {"float32"}
+  assert _floating_dtypes(lora.abstract(cfg32)[0]) == {"float32"}
+  assert lora.count(boxed_base) == lora.count(lora.abstract(cfg32)[0])
+  ids = np.random.default_rng(0).integers(3, cfg.model.vocab_size, (2, 13))
+  batch = {"inputs": jnp.asarray(ids[:, :-1]), "targets": jnp.asarray(ids[:, 1:])}
+  model, base32, adapters = _random_adapters(cfg32, batch["inputs"])
+  base16 = lora.cast_base(base32, cfg)
+  assert _floating_dtypes(base16) == {"bfloat16"}
+
+  def logits(base, adapters):
+    with lora.adapters_active(cfg):
+      return model.apply({"params": lora.combine(base, adapters)}, batch["inputs"])
+  run = jax.jit(logits)
+  want, got = np.asarray(run(base32, adapters)), np.asarray(run(base16, adapters))
+  assert got.dtype == np.float32
+  err = np.abs(got - want).max()
+  assert 0 < err < 0.02 * np.abs(want).max(), (err, np.abs(want).max())  # bf16 keeps 8 bits: ~0.4% a weight
+  # model.dtype=bfloat16 (llama3_8b's) already multiplies bf16 copies of the weights: the same logits, bitwise.
+  bf16_model = model_lib.build_model(config_lib.replace(cfg.model, dtype="bfloat16"))
+  def bf16_logits(base, adapters):
+    with lora.adapters_active(cfg):
+      return bf16_model.apply({"params": lora.combine(base, adapters)}, batch["inputs"])
+  run = jax.jit(bf16_logits)
+  np.testing.assert_array_equal(np.asarray(run(base16, adapters)), np.asarray(run(base32, adapters)))
+  tx, schedule = optim.build_optimizer(cfg)
+  state = jax.jit(lambda r: nn.unbox(train.init_state(model, tx, (batch["inputs"],), r, cfg=cfg)))(jax.random.PRNGKey(0))
+  step = jax.jit(train.make_train_step(model, tasks.LMTask, cfg, tx, schedule))
+  state, metrics = step(state, batch, base16)
+  state, metrics = step(state, batch, base16)
+  assert bool(metrics["finite"])
+  assert _floating_dtypes(state["params"]) == {"float32"} and _floating_dtypes(state["opt_state"]) == {"float32"}
+  assert float(np.abs(np.asarray(state["params"]["decoder"]["layer_0"]["ffn"]["wo"][lora.B])).max()) > 1e-4
+
+
+def test_bfloat16_base_is_read_from_a_float32_checkpoint_in_verified_groups(tmp_path, monkeypatch):
+  """A float32 base checkpoint (unrolled, as convert writes) restored for train.lora_base_dtype=bfloat16
+  with model.scan_layers=true: read a few leaves at a time at float32 (each group's checksums checked),
+  cast, stacked: bitwise the float32 params rounded to bfloat16, and a tampered checksum is still caught."""
+  cfg = _lora_cfg("llama_tiny", "model.scan_layers=true", "train.lora_base_dtype=bfloat16")
+  unrolled = config_lib.replace(cfg, **{"model.scan_layers": False, "train.lora_base_dtype": "float32"})
+  rng = np.random.default_rng(0)
+  base32 = jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(np.float32), nn.unbox(lora.abstract(unrolled)[0]))
+  checkpoint_lib.save_params(str(tmp_path / "base"), base32, step=3, meta={"step": 3})
+  reads = []
+  original = checkpoint_lib.Checkpointer._read
+  monkeypatch.setattr(checkpoint_lib.Checkpointer, "_read", lambda self, *a, **k: reads.append(1) or original(self, *a, **k))
+  monkeypatch.setattr(checkpoint_lib, "NARROW_GROUP_BYTES", 4 * lora.count(base32) // 8)  # ~8 groups
+  abstract = nn.unbox(lora.abstract(cfg)[0])
+  params, where, _ = train.restore_params(cfg, str(tmp_path / "base"), abstract, **QUIET)
+  assert where.endswith("/3") and len(reads) >= 1 + 6  # the metadata, then the groups
+  assert _floating_dtypes(params) == {"bfloat16"}
+  want = model_lib.convert_layers(jax.tree.map(lambda x: jnp.asarray(x).astype(jnp.bfloat16), base32), True)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(params), jax.device_get(want))
+  meta_files = glob.glob(str(tmp_path / "base" / "checkpoints" / "3" / "meta" / "*"))
+  meta_file = next(f for f in meta_files if os.path.isfile(f) and "checksums" in pathlib.Path(f).read_text())
+  record = json.loads(pathlib.Path(meta_file).read_text())
+  key = next(k for k in record["checksums"]["arrays"] if k.endswith("ffn/wo/kernel"))
+  record["checksums"]["arrays"][key] = "0" * len(record["checksums"]["arrays"][key])
+  pathlib.Path(meta_file).write_text(json.dumps(record))
+  with pytest.raises(checkpoint_lib.DamagedCheckpoint, match="wo/kernel does not match its checksum"):
+    train.restore_params(cfg, str(tmp_path / "base"), abstract, **QUIET)
+
+
 def test_bad_lora_settings_are_one_line_errors():
   cfg = _lora_cfg("llama_tiny", "train.lora_targets=qproj")
   with pytest.raises(UserError) as e:
@@ -129,6 +277,8 @@ def test_bad_lora_settings_are_one_line_errors():
     _lora_cfg("gpt2_tiny", "train.lora_targets=(query")
   with pytest.raises(UserError, match="lora_rank=-1"):
     config_lib.load_config("gpt2_tiny", ["train.lora_rank=-1"])
+  with pytest.raises(UserError, match="train.lora_base_dtype='float16': choose float32 or bfloat16"):
+    _lora_cfg("gpt2_tiny", "train.lora_base_dtype=float16")
 
 
 # ---------------------------------------------------------------------------
