@@ -288,16 +288,25 @@ def perplexity(model, params, tokenizer, text, block_size, batch_size=8):
           "ppl_per_word": float(np.exp(min(total / n_words, 700.0)))}
 
 
+def mean_nll(eval_step, params, batches):
+  """Token-weighted mean NLL and perplexity over batches, `eval_step(params, batch)` giving
+  (loss_sum, nll_sum, tokens): {"val_nll", "val_ppl", "val_tokens"}."""
+  total = np.zeros(3)
+  for batch in batches:
+    total += np.asarray(jax.device_get(eval_step(params, batch)), np.float64)
+  nll = total[1] / max(total[2], 1.0)
+  return {"val_nll": nll, "val_ppl": float(np.exp(min(nll, 50.0))), "val_tokens": int(total[2])}
+
+
 def chat_perplexity(cfg, workdir, model, params):
   """The masked NLL of a fine-tuning (SFT) run's held-out chats: the evaluation its training loop runs.
 
   The prepared val split (data.chat_val_path, else the records data.train_fraction held out),
   every example of it, in the rows the loop evaluates ([batch_size, block_size], packed as
-  data.packing), scored by `train.make_eval_step` and `train.evaluate`: the NLL per token of
+  data.packing), scored as `train.make_eval_step` scores them and summed by `mean_nll`: the NLL per token of
   the loss mask (data.loss_on), so it equals the last `val_nll` in metrics.jsonl for the
   checkpoint that logged it. Returns {"val_nll", "val_ppl", "val_tokens", "examples"}.
   """
-  from jaxformer import train as train_lib  # (train imports this module)
   if cfg.train.objective == "dpo":
     raise UserError(f"{workdir} is a DPO run: its held-out preference metrics are the training log's "
                     "(metrics.jsonl); give --text FILE for the perplexity of a text")
@@ -307,8 +316,8 @@ def chat_perplexity(cfg, workdir, model, params):
             else f"data.chat_val_path is unset and data.train_fraction={cfg.data.train_fraction:g} held none out")
     raise UserError(f"{workdir} has no held-out chats to evaluate ({held}): give --text FILE for the perplexity of "
                     "a text, or train with data.chat_val_path=FILE")
-  step = jax.jit(train_lib.make_eval_step(model, task))
-  result = train_lib.evaluate(step, params, task.eval_batches("dev", 0))
+  step = jax.jit(lambda params, batch: task.loss(model, params, batch, {}, True, 0.0)[:3])  # train's eval_step
+  result = mean_nll(step, params, task.eval_batches("dev", 0))
   return {**result, "examples": task.val.examples}
 
 

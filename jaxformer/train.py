@@ -156,15 +156,6 @@ def make_eval_step(model, task, cfg=None):
   return eval_step
 
 
-def evaluate(eval_step, params, batches):
-  """Token-weighted mean NLL and perplexity over batches."""
-  total = np.zeros(3)
-  for batch in batches:
-    total += np.asarray(jax.device_get(eval_step(params, batch)), np.float64)
-  nll = total[1] / max(total[2], 1.0)
-  return {"val_nll": nll, "val_ppl": float(np.exp(min(nll, 50.0))), "val_tokens": int(total[2])}
-
-
 def evaluate_preferences(eval_step, params, frozen, batches):
   """DPO's held-out figures over batches (a DPO `make_eval_step`), means over the real pairs (filler
   rows count for nothing): val_loss (the DPO loss), val_rewards/chosen, val_rewards/rejected
@@ -539,7 +530,7 @@ def _train_and_evaluate(cfg, workdir, log, lease, early_stop=None):
           val = evaluate_preferences(eval_step, state["params"], base if base is not None else state["ref_params"],
                                      dev_batches)
         else:
-          val = evaluate(eval_step, state["params"], dev_batches)
+          val = evaluate_lib.mean_nll(eval_step, state["params"], dev_batches)
         if task.name == "translation" and cfg.train.eval_bleu_sentences:
           sources, refs = task.splits["dev"]
           n = cfg.train.eval_bleu_sentences

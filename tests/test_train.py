@@ -17,6 +17,7 @@ import pytest
 
 from conftest import tiny_config
 from jaxformer import data as data_lib
+from jaxformer import evaluate
 from jaxformer import losses
 from jaxformer import model as model_lib
 from jaxformer import optim
@@ -351,7 +352,7 @@ def test_eval_batches_0_is_the_whole_validation_stream_for_lm(tmp_path):
   model = model_lib.build_model(cfg.model)
   shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
   zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), nn.unbox(shapes))
-  val = train.evaluate(jax.jit(train.make_eval_step(model, task)), zeros, batches)
+  val = evaluate.mean_nll(jax.jit(train.make_eval_step(model, task)), zeros, batches)
   assert val["val_tokens"] == n - 1
   assert val["val_nll"] == pytest.approx(math.log(cfg.model.vocab_size), rel=1e-5)
   assert len(task.eval_batches("dev", 3)) == 3  # a count still means that many random batches
@@ -360,7 +361,6 @@ def test_eval_batches_0_is_the_whole_validation_stream_for_lm(tmp_path):
 @pytest.mark.slow
 def test_bleu_during_training_honours_decode_settings(tiny_run, tmp_path, monkeypatch):
   """train.eval_bleu_sentences decodes with decode.max_extra_len (it used translate's default, 50)."""
-  from jaxformer import evaluate
   seen, real = [], evaluate.translate
 
   def spy(*args, **kwargs):
