@@ -155,7 +155,7 @@ def train_tokenizer(cfg, source, streams, path, log=print):
 
   sentencepiece sees a seeded random sample of `data.tokenizer_sample_docs` documents (all
   fields of each record: source and target for translation); a char vocabulary is every
-  character of the training text (a sample could miss one). Byte needs nothing; hf and
+  character of every split (a sample could miss one, and so could the training split alone). Byte needs nothing; hf and
   marian tokenizers are only loaded (`existing_tokenizer`). Returns the tokenizer.
   """
   d = cfg.data
@@ -164,12 +164,13 @@ def train_tokenizer(cfg, source, streams, path, log=print):
   if tok is not None:
     return tok
   t = time.perf_counter()
-  records = _records(source, streams, "train")
-  if d.tokenizer == "char":
-    texts = (text for record in records for text in record)
-    what = "every character of the training text"
+  if d.tokenizer == "char":  # every split's characters, as nanoGPT's char vocabulary: a held-out character
+    # absent from training (the file's last newline, when a one-line text is cut into train and val) is an id too
+    texts = (text for split in ("train", "val", "dev", "test") for record in _records(source, streams, split)
+             for text in record)
+    what = "every character of the text (training and held-out splits)"
   else:
-    sample = reservoir_sample(records, d.tokenizer_sample_docs)
+    sample = reservoir_sample(_records(source, streams, "train"), d.tokenizer_sample_docs)
     texts = [record[f] for f in range(len(source.fields)) for record in sample]  # all sources, then all targets
     what = f"a sample of {len(sample):,} training documents"
   tok = tokenizer_lib.load_or_train_tokenizer(d.tokenizer, path, texts, vocab)

@@ -174,6 +174,19 @@ def test_memmapped_batches_equal_the_in_memory_path(tmp_path):
   _assert_same_batches(task, ref_train, ref_val, [0, 1, 2, 999, 12345])
 
 
+def test_char_vocabulary_holds_the_held_out_characters(tmp_path):
+  """A one-line text: nanoGPT's split leaves its final newline (and here a `!`) to val only; the char
+  vocabulary is every split's characters, so val encodes (it was 'characters ['\\n', '!'] are not in
+  the char vocabulary' on a text that holds them)."""
+  text = "the quick brown fox jumps over the lazy dog. " * 20 + "!"
+  (tmp_path / "t.txt").write_text(text)
+  cfg = _lm_config(f"data.text_path={tmp_path / 't.txt'}", "data.tokenizer=char")
+  task = tasks.LMTask(cfg, str(tmp_path / "run"), log=QUIET)
+  train, val = data.nanogpt_split(text + "\n", 0.9)
+  assert "!" not in train and task.tokenizer.chars == "".join(sorted(set(text + "\n")))
+  assert task.tokenizer.decode(task.val_stream.take(np.array([0]), len(task.val_stream))[0].tolist()) == val
+
+
 @pytest.mark.skipif(not SHAKESPEARE.exists(), reason="shared data absent")
 def test_shakespeare_char_batches_unchanged(tmp_path):
   """shakespeare_char's published val loss (1.8685 at 2,000) rests on these batches."""
