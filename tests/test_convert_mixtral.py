@@ -23,6 +23,7 @@ from jaxformer import convert
 from jaxformer import decode
 from jaxformer import evaluate
 from jaxformer import moe
+from jaxformer import train
 from jaxformer.errors import UserError
 from test_convert import edited_copy
 
@@ -189,3 +190,25 @@ def test_a_hub_style_config_json_imports_as_the_fixture(mixtral, tmp_path):
   got = convert.config_from_hf(_edited(tmp_path, "hub", hub_style))[0]
   assert config_lib.to_dict(got)["model"] == config_lib.to_dict(cfg)["model"]
   assert got.optim == cfg.optim
+
+
+def test_a_lora_run_on_the_experts_exports_merged_and_refuses_peft_in_one_line(mixtral, tmp_path, capsys):
+  """LoRA's default targets adapt each expert (A_e, B_e): the merged export carries them into every
+  expert's w1/w2/w3; PEFT has no module for our per-expert adapters, so --peft is one line, nothing written."""
+  workdir = mixtral[0]
+  text = tmp_path / "text.txt"
+  text.write_text(" ".join(["A man in an orange hat starring at something."] * 40) + "\n")
+  cfg = config_lib.load_config(str(pathlib.Path(workdir) / "config.json"), [
+      f"train.init_from={workdir}", "train.lora_rank=2", "data.block_size=16", f"data.text_path={text}",
+      "data.batch_size=2", "train.num_steps=1", "train.eval_every=1000", "train.checkpoint_every=1",
+      "train.sample_every_eval=false", "optim.schedule=constant", "optim.learning_rate=0.05"])
+  run = str(tmp_path / "run")
+  train.train_and_evaluate(cfg, run, **QUIET)
+  convert.to_hf(run, str(tmp_path / "merged"), **QUIET)
+  original, merged = _hf_tensors(FIXTURE), _hf_tensors(tmp_path / "merged")
+  for w in ("w1", "w2", "w3"):
+    key = f"model.layers.1.block_sparse_moe.experts.3.{w}.weight"
+    assert not np.array_equal(merged[key], original[key]), key  # the expert's adapter is in the export
+  _one_line_error(capsys, r"--peft: the adapter on decoder/layer_0/moe/\w+_lora has no Hugging Face mixtral module",
+                  "--to-hf", run, "--out", str(tmp_path / "peft"), "--peft")
+  assert not (tmp_path / "peft").exists()
