@@ -182,8 +182,8 @@ def write_hf(cfg, params, kind, out):
   from safetensors.numpy import save_file
   from jaxformer import convert
   tensors = {}
-  for t in convert.TENSORS[kind](cfg.model):
-    value = t.to_hf(tuple(np.asarray(convert._get(params, p)) for p in t.ours))  # pylint: disable=protected-access
+  for t in convert.FAMILIES[kind].tensors(cfg.model):
+    value = t.to_hf(tuple(np.asarray(convert.get(params, p)) for p in t.ours))
     tensors[t.hf] = np.ascontiguousarray(value, np.float32)
   os.makedirs(out, exist_ok=True)
   save_file(tensors, os.path.join(out, "model.safetensors"))

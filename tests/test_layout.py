@@ -24,12 +24,26 @@ def _imports(path):
       found.add(node.module.split(".")[1])
     elif isinstance(node, ast.Import):
       found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("jaxformer."))
-  return found & {p.stem for p in PACKAGE.glob("*.py")}
+  return found & _NODES
 
 
-def test_module_imports_have_no_cycle():
-  graph = {p.stem: _imports(p) - {p.stem} for p in PACKAGE.glob("*.py")}
+# The package's modules, a subpackage (jaxformer/convert/) counting as one module of all its files.
+_SUBPACKAGES = {p.parent.name: sorted(p.parent.glob("*.py")) for p in PACKAGE.glob("*/__init__.py")}
+_NODES = {p.stem for p in PACKAGE.glob("*.py")} | set(_SUBPACKAGES)
 
+
+def _subpackage_imports(path, package):
+  """The modules of `package` that its file `path` imports (`from jaxformer.<package> import x`, `... .x import`)."""
+  found = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.ImportFrom) and node.module == f"jaxformer.{package}":
+      found.update(alias.name for alias in node.names)
+    elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(f"jaxformer.{package}."):
+      found.add(node.module.split(".")[2])
+  return found
+
+
+def _check_acyclic(graph):
   def visit(module, path):
     if module in path:
       cycle = path[path.index(module):] + [module]
@@ -39,6 +53,18 @@ def test_module_imports_have_no_cycle():
 
   for module in sorted(graph):
     visit(module, [])
+
+
+def test_module_imports_have_no_cycle():
+  graph = {p.stem: _imports(p) - {p.stem} for p in PACKAGE.glob("*.py")}
+  for package, files in _SUBPACKAGES.items():
+    graph[package] = set().union(*(_imports(f) for f in files)) - {package}
+    # inside it too (the package's __init__ may import its modules; they may not import it back)
+    inner = {f.stem: _subpackage_imports(f, package) - {f.stem} for f in files if f.stem != "__init__"}
+    assert "convert" not in _SUBPACKAGES or {"gpt2", "llama", "families", "common"} <= set(inner)
+    _check_acyclic(inner)
+  _check_acyclic(graph)
+  assert {"evaluate", "checkpoint", "lora"} <= graph["convert"]  # a subpackage's files count for it
   assert "train" not in graph["evaluate"] and "train" not in graph["generate"]
 
 
@@ -57,6 +83,7 @@ def test_wheel_installs_recipes_inside_the_namespace(wheel):
   tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
   assert tops == {"jaxformer"}, tops  # no top-level `configs` to clash with PyPI's package of that name
   assert "jaxformer/configs/wmt_base.py" in names and "jaxformer/configs/_paths.py" in names
+  assert "jaxformer/convert/llama.py" in names and "jaxformer/convert/__main__.py" in names  # the subpackage
 
 
 @pytest.mark.slow

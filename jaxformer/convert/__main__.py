@@ -1,0 +1,5 @@
+"""`python -m jaxformer.convert`."""
+
+from jaxformer.convert.cli import main
+
+main()
