@@ -288,6 +288,12 @@ def perplexity(model, params, tokenizer, text, block_size, batch_size=8):
           "ppl_per_word": float(np.exp(min(total / n_words, 700.0)))}
 
 
+def eval_sums(model, task, params, batch):
+  """(loss_sum, nll_sum, tokens) of one batch: no dropout, no label smoothing (an MoE model's router
+  statistics dropped). The evaluation step of the training loop (`train.make_eval_step`) and of eval.py."""
+  return task.loss(model, params, batch, {}, True, 0.0)[:3]
+
+
 def mean_nll(eval_step, params, batches):
   """Token-weighted mean NLL and perplexity over batches, `eval_step(params, batch)` giving
   (loss_sum, nll_sum, tokens): {"val_nll", "val_ppl", "val_tokens"}."""
@@ -303,7 +309,7 @@ def chat_perplexity(cfg, workdir, model, params):
 
   The prepared val split (data.chat_val_path, else the records data.train_fraction held out),
   every example of it, in the rows the loop evaluates ([batch_size, block_size], packed as
-  data.packing), scored as `train.make_eval_step` scores them and summed by `mean_nll`: the NLL per token of
+  data.packing), scored by `eval_sums` and summed by `mean_nll` as the loop does: the NLL per token of
   the loss mask (data.loss_on), so it equals the last `val_nll` in metrics.jsonl for the
   checkpoint that logged it. Returns {"val_nll", "val_ppl", "val_tokens", "examples"}.
   """
@@ -316,7 +322,7 @@ def chat_perplexity(cfg, workdir, model, params):
             else f"data.chat_val_path is unset and data.train_fraction={cfg.data.train_fraction:g} held none out")
     raise UserError(f"{workdir} has no held-out chats to evaluate ({held}): give --text FILE for the perplexity of "
                     "a text, or train with data.chat_val_path=FILE")
-  step = jax.jit(lambda params, batch: task.loss(model, params, batch, {}, True, 0.0)[:3])  # train's eval_step
+  step = jax.jit(lambda params, batch: eval_sums(model, task, params, batch))
   result = mean_nll(step, params, task.eval_batches("dev", 0))
   return {**result, "examples": task.val.examples}
 

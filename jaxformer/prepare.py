@@ -125,13 +125,13 @@ def reservoir_sample(items, k, seed=sources.SEED):
   return sample
 
 
-def _records(source, streams, split):
-  """The records of one split, in input order."""
+def _records(source, streams, split=None):
+  """The records of one split (None: of every split, each stream read once), in input order."""
   for name, records in streams:
-    if split in source.feeds.get(name, ()):
+    if split is None or split in source.feeds.get(name, ()):
       for i, record in enumerate(records(0)):
         for s, r in source.route(name, i, record):
-          if s == split:
+          if split is None or s == split:
             yield r
 
 
@@ -151,12 +151,13 @@ def existing_tokenizer(cfg, path):
 
 
 def train_tokenizer(cfg, source, streams, path, log=print):
-  """Trains the configured tokenizer on the training split if `path` does not exist yet.
+  """Trains the configured tokenizer if `path` does not exist yet.
 
-  sentencepiece sees a seeded random sample of `data.tokenizer_sample_docs` documents (all
-  fields of each record: source and target for translation); a char vocabulary is every
-  character of every split (a sample could miss one, and so could the training split alone). Byte needs nothing; hf and
-  marian tokenizers are only loaded (`existing_tokenizer`). Returns the tokenizer.
+  sentencepiece sees a seeded random sample of `data.tokenizer_sample_docs` training documents
+  (all fields of each record: source and target for translation); a char vocabulary is every
+  character of every split (a sample could miss one, and so could the training split alone).
+  Byte needs nothing; hf and marian tokenizers are only loaded (`existing_tokenizer`). Returns
+  the tokenizer.
   """
   d = cfg.data
   vocab = cfg.model.vocab_size if d.tokenizer not in ("char", "byte") else None
@@ -166,8 +167,7 @@ def train_tokenizer(cfg, source, streams, path, log=print):
   t = time.perf_counter()
   if d.tokenizer == "char":  # every split's characters, as nanoGPT's char vocabulary: a held-out character
     # absent from training (the file's last newline, when a one-line text is cut into train and val) is an id too
-    texts = (text for split in ("train", "val", "dev", "test") for record in _records(source, streams, split)
-             for text in record)
+    texts = (text for record in _records(source, streams) for text in record)
     what = "every character of the text (training and held-out splits)"
   else:
     sample = reservoir_sample(_records(source, streams, "train"), d.tokenizer_sample_docs)

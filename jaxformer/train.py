@@ -152,7 +152,7 @@ def make_eval_step(model, task, cfg=None):
   def eval_step(params, batch, base=None):
     with lora.adapters_active(cfg) if cfg is not None else contextlib.nullcontext():
       full = params if base is None else lora.combine(base, params)
-      return task.loss(model, full, batch, {}, True, 0.0)[:3]  # (an MoE model's router statistics dropped)
+      return evaluate_lib.eval_sums(model, task, full, batch)
   return eval_step
 
 

@@ -57,13 +57,14 @@ def _check_acyclic(graph):
 
 def test_module_imports_have_no_cycle():
   graph = {p.stem: _imports(p) - {p.stem} for p in PACKAGE.glob("*.py")}
+  inner = {}
   for package, files in _SUBPACKAGES.items():
     graph[package] = set().union(*(_imports(f) for f in files)) - {package}
     # inside it too (the package's __init__ may import its modules; they may not import it back)
-    inner = {f.stem: _subpackage_imports(f, package) - {f.stem} for f in files if f.stem != "__init__"}
-    assert "convert" not in _SUBPACKAGES or {"gpt2", "llama", "families", "common"} <= set(inner)
-    _check_acyclic(inner)
+    inner[package] = {f.stem: _subpackage_imports(f, package) - {f.stem} for f in files if f.stem != "__init__"}
+    _check_acyclic(inner[package])
   _check_acyclic(graph)
+  assert "llama" in inner["convert"]["mixtral"]  # the inner graph sees a module's imports (the check is not vacuous)
   assert {"evaluate", "checkpoint", "lora"} <= graph["convert"]  # a subpackage's files count for it
   assert "train" not in graph["evaluate"] and "train" not in graph["generate"]
 

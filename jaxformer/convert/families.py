@@ -14,11 +14,6 @@ from jaxformer.errors import UserError
 FAMILIES = {f.MODEL_TYPE: f for f in (gpt2, llama, mixtral, marian)}
 
 
-def family(kind):
-  """The module of model_type `kind`."""
-  return FAMILIES[kind]
-
-
 def hf_model_type(hf, where):
   """config.json's model_type, refused in one line unless a family reads it."""
   kind = hf.get("model_type")

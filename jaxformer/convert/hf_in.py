@@ -49,7 +49,7 @@ def config_from_hf(hf_dir, ids=None, tokenizer_source=None):
   kind = families.hf_model_type(hf, os.path.join(hf_dir, "config.json"))
   gen_path = os.path.join(hf_dir, "generation_config.json")
   gen = read_json(gen_path, "") if os.path.isfile(gen_path) else {}
-  fam = families.family(kind)
+  fam = families.FAMILIES[kind]
   model, data, decode, *optim_fields = fam.config(hf, gen)  # (Mixtral: its MoE loss coefficients too)
   _resolve_ids(model, fam, ids, os.path.join(hf_dir, "config.json"))
   if fam.ARCH == "encoder_decoder":  # the translation recipe's defaults suit fine-tuning
@@ -80,7 +80,7 @@ def read_params(reader, cfg, kind, where):
                     "hub's per-expert layout (block_sparse_moe.experts.E.w1/w2/w3), which save_pretrained writes")
   _, shapes = evaluate.abstract_params(cfg)
   params, used = {}, set()
-  for t in families.family(kind).tensors(cfg.model):
+  for t in families.FAMILIES[kind].tensors(cfg.model):
     name = next((n for n in (t.hf,) + t.aliases if n in reader.location), None)
     if name is None:
       raise UserError(f"{where} has no tensor {t.hf} but config.json describes it (a mismatched config.json?)")

@@ -22,12 +22,12 @@ def infer_model_type(cfg, recorded=None):
   MoE layers exports as Mixtral, and back)."""
   m = cfg.model
   moe = m.moe_experts > 0
-  if recorded in families.FAMILIES and families.family(recorded).MOE != moe:
-    recorded = getattr(families.family(recorded), "OTHER_FFN", recorded)
+  if recorded in families.FAMILIES and families.FAMILIES[recorded].MOE != moe:
+    recorded = getattr(families.FAMILIES[recorded], "OTHER_FFN", recorded)
   candidates = [recorded] if recorded in families.FAMILIES else [
       k for k, f in families.FAMILIES.items() if f.ARCH == m.arch and f.MOE == moe]
   for kind in candidates:
-    fam = families.family(kind)
+    fam = families.FAMILIES[kind]
     bad = [(f, v) for f, v in fam.WANTS.items() if getattr(m, f) != v] + fam.mismatches(m)
     if not bad:
       return kind
@@ -43,7 +43,7 @@ def hf_config_for(cfg, kind, base=None):
   hf = dict(base or {})
   for stale in ("_name_or_path", "transformers_version", "torch_dtype"):
     hf.pop(stale, None)
-  families.family(kind).hf_config(cfg, hf)
+  families.FAMILIES[kind].hf_config(cfg, hf)
   hf["dtype"] = "float32"
   return hf
 
@@ -59,7 +59,7 @@ def chat_export(cfg, kind, workdir, tokenizer_workdir):
   """
   from jaxformer import chat, prepare, shards, tasks
   path = tasks.tokenizer_path(cfg, tokenizer_workdir)
-  if families.family(kind).ARCH == "encoder_decoder" or path == "byte" or not os.path.isfile(path):
+  if families.FAMILIES[kind].ARCH == "encoder_decoder" or path == "byte" or not os.path.isfile(path):
     return None  # no chat model, or no tokenizer to write (export_tokenizer says so)
   tok = tokenizer_lib.load_tokenizer(path)
   if isinstance(tok, tokenizer_lib.HFTokenizer):
@@ -102,7 +102,7 @@ def export_tokenizer(cfg, kind, workdir, out, chat_template=None):
     token = tok.tok.id_to_token
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": token(cfg.model.bos_id),
               "eos_token": token(cfg.model.eos_id)}
-  elif isinstance(tok, tokenizer_lib.SentencePieceTokenizer) and getattr(families.family(kind), "SPM_EXPORT", False):
+  elif isinstance(tok, tokenizer_lib.SentencePieceTokenizer) and getattr(families.FAMILIES[kind], "SPM_EXPORT", False):
     shutil.copyfile(path, os.path.join(out, "tokenizer.model"))
     config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": cfg.data.add_bos, "add_eos_token": False}
   else:
@@ -121,7 +121,7 @@ def generation_config(cfg, kind, workdir):
   path = os.path.join(workdir, "hf_generation_config.json")
   gen = read_json(path, "") if os.path.isfile(path) else {}
   gen.pop("transformers_version", None)
-  fam = families.family(kind)
+  fam = families.FAMILIES[kind]
   gen.setdefault("eos_token_id", cfg.model.eos_id)
   if fam.ARCH != "encoder_decoder":  # an encoder-decoder (Marian) has no BOS: it starts from decoder_start_token_id
     gen.setdefault("bos_token_id", cfg.model.bos_id)
@@ -151,7 +151,7 @@ def to_hf(workdir, out, step=None, dtype="float32", max_shard_mb=2048, log=print
   count = [0]
 
   def tensors():
-    for t in families.family(kind).tensors(cfg.model):
+    for t in families.FAMILIES[kind].tensors(cfg.model):
       value = t.to_hf(tuple(np.asarray(get(params, p)) for p in t.ours))
       for p in t.ours:  # free each parameter once converted: the peak stays near one copy of the model
         if not isinstance(p[-1], int):

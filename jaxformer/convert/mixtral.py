@@ -6,8 +6,8 @@ from jaxformer.convert.common import expert, linear, unsupported
 MODEL_TYPE, NAMES, ARCH, MOE = "mixtral", "Mixtral", "decoder_only", True
 OTHER_FFN = "llama"  # a Mixtral's layers made dense export as Llama
 SPM_EXPORT = True
-WANTS = dict(llama.WANTS, use_bias=False, moe_every=1, moe_shared_experts=0)
-del WANTS["moe_experts"]
+WANTS = {**{k: v for k, v in llama.WANTS.items() if k != "moe_experts"}, "use_bias": False, "moe_every": 1,
+         "moe_shared_experts": 0}
 mismatches, default_ids, tokenizer = llama.mismatches, llama.default_ids, llama.tokenizer
 
 

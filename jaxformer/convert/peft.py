@@ -34,7 +34,7 @@ def to_peft(workdir, out, step=None, dtype="float32", log=print):
   hf_path = os.path.join(base_dir, "hf_config.json")
   recorded = (read_json(hf_path, "") if os.path.isfile(hf_path) else {}).get("model_type")
   kind = infer_model_type(cfg, recorded)
-  fam = families.family(kind)
+  fam = families.FAMILIES[kind]
   if fam.ARCH == "encoder_decoder":
     raise UserError("--peft exports decoder-only models (GPT-2, Llama); export a Marian LoRA run merged")
   if os.path.exists(os.path.join(out, "adapter_config.json")):
