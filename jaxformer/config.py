@@ -37,15 +37,27 @@ class ModelConfig:
   num_encoder_layers: int | None = None
   d_ff: int = 2048
   activation: str = "relu"          # relu | gelu (tanh approx.) | gelu_exact (erf) | silu (= swish: OPUS-MT) | swiglu
+                                    # | geglu (tanh-GELU gate: Gemma)
   norm: str = "layernorm"           # layernorm | rmsnorm
   norm_position: str = "post"       # post (paper) | pre
   norm_eps: float = 1e-6
   use_bias: bool = True             # biases in attention and FFN projections
+  qkv_bias: bool = False            # biases on the q/k/v projections alone (Qwen2); use_bias puts them everywhere
+  qk_norm: bool = False             # RMSNorm over each head's q and k before RoPE (Qwen3, Gemma 3)
+  norm_unit_offset: bool = False    # RMSNorm gains are 1 + w, w starting at 0 (Gemma)
+  post_norms: bool = False          # pre-norm with a second norm on each sublayer's output, before the residual (Gemma 2/3)
+  sliding_window: int = 0           # > 0: a local layer's query sees its last this-many keys, itself included (Mistral: 4096)
+  attention_pattern: str = ""       # local/global per layer, cycled: "local,global" (Gemma 2); "" -> every layer
+                                    # local when sliding_window > 0, else global
+  attn_softcap: float = 0.0         # > 0: attention logits become c * tanh(logits / c) (Gemma 2: 50)
+  final_softcap: float = 0.0        # > 0: the same on the output logits (Gemma 2: 30)
+  query_pre_attn_scalar: float | None = None  # attention logits scaled by this^-0.5 (Gemma); None -> head_dim
   position: str = "sinusoidal"      # sinusoidal | learned | rope | alibi | none
   sinusoidal_layout: str = "interleaved"  # interleaved (paper: sin 2i, cos 2i+1) | concat (tensor2tensor) | marian
   max_len: int = 1024               # learned-position table size
   rope_theta: float = 10000.0
-  rope_scaling: str = "none"        # none | ntk | yarn | llama3
+  rope_local_theta: float | None = None  # local layers' RoPE base, unscaled (Gemma 3: 10000); None -> as global layers
+  rope_scaling: str = "none"        # none | linear | ntk | yarn | llama3
   rope_scaling_factor: float = 1.0
   rope_original_max_len: int = 8192
   rope_beta_fast: float = 32.0      # yarn: dims turning more often than this over the original length are kept
@@ -84,6 +96,20 @@ class ModelConfig:
   @property
   def dim_per_head(self) -> int:
     return self.head_dim or self.d_model // self.num_heads
+
+  @property
+  def gated(self) -> bool:
+    """Whether the FFN is gated (two input projections, wi_gate and wi_up: SwiGLU, GeGLU)."""
+    return self.activation in ("swiglu", "geglu")
+
+  def layer_is_local(self, i) -> bool:
+    """Whether layer i attends within `sliding_window` (a local layer) rather than to every earlier key."""
+    if not self.sliding_window:
+      return False
+    if not self.attention_pattern:
+      return True
+    kinds = [k.strip() for k in self.attention_pattern.split(",")]
+    return kinds[i % len(kinds)] == "local"
 
   @property
   def encoder_layers(self) -> int:
@@ -337,10 +363,10 @@ def _validate(cfg):
   _validate_ranges(cfg)
   m = cfg.model
   choices = {"arch": ("encoder_decoder", "decoder_only"),
-             "activation": ("relu", "gelu", "gelu_exact", "silu", "swiglu"),
+             "activation": ("relu", "gelu", "gelu_exact", "silu", "swiglu", "geglu"),
              "norm": ("layernorm", "rmsnorm"), "norm_position": ("post", "pre"),
              "position": ("sinusoidal", "learned", "rope", "alibi", "none"),
-             "rope_scaling": ("none", "ntk", "yarn", "llama3"), "dtype": ("float32", "bfloat16"),
+             "rope_scaling": ("none", "linear", "ntk", "yarn", "llama3"), "dtype": ("float32", "bfloat16"),
              "matmul_dtype": ("float32", "bfloat16"),
              "attention_impl": ("auto", "einsum", "tiled", "xla", "cudnn", "splash"),
              "sinusoidal_layout": ("interleaved", "concat", "marian"),
@@ -357,6 +383,7 @@ def _validate(cfg):
     raise UserError(f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.kv_heads}")
   if m.head_dim is None and m.d_model % m.num_heads:
     raise UserError(f"model.d_model={m.d_model} must be divisible by model.num_heads={m.num_heads} (or set model.head_dim)")
+  _validate_layer_features(m)
   if m.logits_chunk < 0:
     raise UserError(f"model.logits_chunk={m.logits_chunk} must be >= 0 (0: automatic, see README)")
   if m.moe_experts:
@@ -471,6 +498,11 @@ _RANGES = {
               ("rope_beta_fast", _TINY, None, "must be positive"), ("rope_beta_slow", _TINY, None, "must be positive"),
               ("rope_attention_factor", _TINY, None, "must be positive (or None: the yarn default)"),
               ("rope_mscale", 0.0, None, _COUNT), ("rope_mscale_all_dim", 0.0, None, _COUNT),
+              ("sliding_window", 0, None, "must be 0 (off) or a window in tokens"),
+              ("attn_softcap", 0.0, None, "must be 0 (off) or positive"),
+              ("final_softcap", 0.0, None, "must be 0 (off) or positive"),
+              ("query_pre_attn_scalar", _TINY, None, "must be positive (or None: head_dim)"),
+              ("rope_local_theta", _TINY, None, "must be positive (or None: rope_theta)"),
               ("init_std", 0.0, None, _COUNT), ("dropout_rate", 0.0, _BELOW_1, "must be in [0, 1)"),
               ("attention_dropout_rate", 0.0, _BELOW_1, "must be in [0, 1)"),
               ("moe_experts", 0, None, "must be 0 (dense) or more"), ("moe_top_k", 1, None, _POSITIVE),
@@ -526,6 +558,31 @@ def _validate_ranges(cfg):
   if m.rope_scaling == "llama3" and not m.rope_high_freq_factor > m.rope_low_freq_factor:
     raise UserError(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must be larger than "
                     f"model.rope_low_freq_factor={m.rope_low_freq_factor} (llama3 divides by their difference)")
+
+
+def _validate_layer_features(m):
+  """The attention variants of today's open models (issue 36): windows, patterns, norms."""
+  kinds = [k.strip() for k in m.attention_pattern.split(",")] if m.attention_pattern else []
+  if any(k not in ("local", "global") for k in kinds):
+    raise UserError(f"model.attention_pattern={m.attention_pattern!r}: a comma-separated cycle of local and global "
+                    "(e.g. local,global)")
+  if "local" in kinds and not m.sliding_window:
+    raise UserError(f"model.attention_pattern={m.attention_pattern!r} has local layers: set model.sliding_window "
+                    "(their window, in tokens)")
+  if m.sliding_window and m.arch != "decoder_only":
+    raise UserError(f"model.sliding_window={m.sliding_window} needs model.arch=decoder_only")
+  if m.scan_layers and len({m.layer_is_local(i) for i in range(m.num_layers)}) > 1:
+    raise UserError(f"model.scan_layers=true scans one block: it needs every layer of one kind, and "
+                    f"model.attention_pattern={m.attention_pattern!r} mixes local and global: set model.scan_layers=false")
+  if m.rope_local_theta is not None and not m.sliding_window:
+    raise UserError(f"model.rope_local_theta={m.rope_local_theta:g} is the RoPE base of local layers: "
+                    "it needs model.sliding_window")
+  if m.norm_unit_offset and m.norm != "rmsnorm":
+    raise UserError("model.norm_unit_offset=true (gains 1 + w) is an RMSNorm variant: set model.norm=rmsnorm")
+  if m.post_norms and m.norm_position != "pre":
+    raise UserError("model.post_norms=true adds norms to a pre-norm block: set model.norm_position=pre")
+  if m.qk_norm and m.norm != "rmsnorm":
+    raise UserError("model.qk_norm=true is an RMSNorm over each head: set model.norm=rmsnorm")
 
 
 def _validate_moe(cfg):

@@ -79,9 +79,11 @@ def _cache_index(cache):
 
 
 def _cache_size(cache):
-  path, key = _cache_entries(cache, "cached_key")[0]  # [(layers,) batch, kv_heads, slots, head_dim]
-  batch_axis = 1 if _is_scanned(path) else 0
-  return key.shape[batch_axis + layers.kv_slots_axis(key.shape[batch_axis])]
+  """Slots per row of the global layers (a local layer's ring holds its window only; see layers.Attention)."""
+  def size(path, key):  # [(layers,) batch, kv_heads, slots, head_dim]
+    batch_axis = 1 if _is_scanned(path) else 0
+    return key.shape[batch_axis + layers.kv_slots_axis(key.shape[batch_axis])]
+  return max(size(path, key) for path, key in _cache_entries(cache, "cached_key"))
 
 
 def _map_rows(fn, cache, skip=()):

@@ -6,6 +6,7 @@ nothing here mentions devices. Parameters are float32; compute runs in `cfg.dtyp
 products on `cfg.matmul_dtype` operands (see `einsum`).
 """
 
+import dataclasses
 import functools
 import logging
 import math
@@ -152,7 +153,7 @@ class Embed(nn.Module):
 
   def attend(self, x):
     """x [batch, length, d_model] -> logits [batch, length, vocab] (float32)."""
-    logits = project_logits(x.reshape(-1, x.shape[-1]), self.embedding, "nd,vd->nv", self.cfg)  # 2-D, as in TokenDense
+    logits = _project(x.reshape(-1, x.shape[-1]), self.embedding, "nd,vd->nv", self.cfg)  # 2-D, as in TokenDense
     return logits.reshape(*x.shape[:-1], -1)
 
 
@@ -162,11 +163,24 @@ def project_logits(x, weight, spec, cfg: ModelConfig, bias=None):
   weight: the tied embedding table [vocab, d_model] (spec "nd,vd->nv") or the untied
   kernel [d_model, vocab] ("nd,dv->nv"); the product in cfg.dtype on cfg.matmul_dtype
   operands, as `Embed.attend` and the `logits` layer compute it; plus `bias` [vocab]
-  (model.logits_bias) when given.
+  (model.logits_bias) when given, then model.final_softcap (`finish_logits`).
   """
+  return finish_logits(_project(x, weight, spec, cfg), bias, cfg)
+
+
+def _project(x, weight, spec, cfg):
   dtype = jnp.dtype(cfg.dtype)
-  logits = einsum(spec, x.astype(dtype), weight.astype(dtype), cfg.matmul_dtype).astype(jnp.float32)
-  return logits if bias is None else logits + bias
+  return einsum(spec, x.astype(dtype), weight.astype(dtype), cfg.matmul_dtype).astype(jnp.float32)
+
+
+def finish_logits(logits, bias, cfg: ModelConfig):
+  """logits [..., vocab] (float32) + the logits bias [vocab] (None: none), soft-capped as
+  model.final_softcap asks (Gemma 2: 30 * tanh(logits / 30))."""
+  if bias is not None:
+    logits = logits + bias
+  if cfg.final_softcap:
+    logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
+  return logits
 
 
 def sinusoidal(positions, d_model, layout="interleaved", max_timescale=10000.0):
@@ -193,6 +207,7 @@ def sinusoidal(positions, d_model, layout="interleaved", max_timescale=10000.0):
 def rope_frequencies(cfg: ModelConfig):
   """Inverse frequencies [head_dim/2] and the attention-scale factor for RoPE and its scalings.
 
+  - linear: position interpolation (Chen et al. 2023): every frequency divided by s (Gemma 3's global layers).
   - ntk:    NTK-aware: base theta * s^(d / (d - 2)), stretching low frequencies most.
   - yarn:   YaRN (Peng et al. 2023): interpolate low frequencies by s, keep high ones,
             linear ramp between (dims turning rope_beta_fast = 32 and rope_beta_slow = 1
@@ -207,6 +222,8 @@ def rope_frequencies(cfg: ModelConfig):
     theta = theta * s ** (d / (d - 2))
   inv_freq = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
   mscale = 1.0
+  if cfg.rope_scaling == "linear":
+    inv_freq = inv_freq / s
   if cfg.rope_scaling == "yarn":
     def dim_for(rotations):  # the dimension whose wavelength fits `rotations` times in the context
       return d * math.log(cfg.rope_original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
@@ -258,17 +275,21 @@ def alibi_slopes(num_heads):
   return np.array(power_of_2(closest) + extra, np.float32)
 
 
-def make_attention_mask(q_segment, kv_segment, q_slot=None, kv_slot=None):
+def make_attention_mask(q_segment, kv_segment, q_slot=None, kv_slot=None, window=0):
   """Boolean mask [batch, 1, q_len, kv_len]: True where a query may attend to a key.
 
   Segment ids do the padding and the packing at once: a key is visible when it is
   in the query's segment and is not padding (segment 0). With slot indices (the
-  position of each token in its row/cache, [q_len] and [kv_len]) the mask is causal.
-  Only the dense paths build it; the tiled kernel builds each block's part itself.
+  position of each token in its row/cache, [q_len] and [kv_len]) the mask is causal;
+  with a `window` > 0 a query sees only keys fewer than `window` slots back (itself
+  included: transformers' sliding_window). Only the dense paths build it; the tiled
+  kernel builds each block's part itself.
   """
   mask = (q_segment[:, :, None] == kv_segment[:, None, :]) & (kv_segment[:, None, :] != 0)
   if q_slot is not None:
     mask = mask & (kv_slot[None, None, :] <= q_slot[None, :, None])
+    if window:
+      mask = mask & (q_slot[None, :, None] - kv_slot[None, None, :] < window)
   return mask[:, None]
 
 
@@ -298,7 +319,7 @@ def log_attention_choices(log):
 
 
 def choose_attention(implementation, q_shape, kv_shape, dtype, dropout, backend=None, *, causal=False,
-                     slotted=False, alibi=False):
+                     slotted=False, alibi=False, window=0, softcap=0.0):
   """The kernel `dot_product_attention` runs -> (kernel, reason).
 
   implementation: `model.attention_impl`; q_shape [batch, q_len, heads, head_dim], kv_shape
@@ -306,7 +327,7 @@ def choose_attention(implementation, q_shape, kv_shape, dtype, dropout, backend=
   backend: jax.default_backend() unless given. An explicit choice is honoured whatever the
   default backend (compiling for a TPU topology from this CPU, `jax.default_backend()` is "cpu").
   causal: the training causal mask (slots = arange); slotted: a mask from KV-cache slots
-  (decode); alibi: an ALiBi bias. These decide whether the backend kernels of
+  (decode); alibi: an ALiBi bias; window, softcap: a sliding window and logit soft-capping. These decide whether the backend kernels of
   `jaxformer.kernels` can run: splash (Pallas, TPU) and cuDNN (GPU) each say why not, and the
   tiled kernel runs instead. `auto` picks them on their backend for long rows (q_len x kv_len >=
   TILED_MIN_LENGTH^2), where the dense path's memory is measured to lose; below that it keeps the
@@ -320,6 +341,7 @@ def choose_attention(implementation, q_shape, kv_shape, dtype, dropout, backend=
     why = "attention dropout is on: only the dense path implements it"
     return "einsum", why if implementation in ("auto", "einsum") else f"{why} ({implementation} requested)"
   shape_args = dict(causal=causal, has_bias=alibi, decode=slotted and not causal)
+  shape_args.update({k: v for k, v in (("window", window), ("softcap", softcap)) if v})
   long = q_len * kv_len >= TILED_MIN_LENGTH ** 2
   # `auto` takes a backend kernel only where the dense path is measured to be the worse one (long
   # rows: its [q, kv] temporaries, BENCHMARKS.md "Tiled attention"); below that it keeps the dense
@@ -366,7 +388,8 @@ def _report(implementation, choice, reason, q_shape, kv_shape, dtype):
 
 def dot_product_attention(q, k, v, q_segment, kv_segment, q_slot=None, kv_slot=None, *, alibi_slopes=None,
                           q_position=None, kv_position=None, dropout_rate=0.0, dropout_rng=None,
-                          deterministic=True, implementation="auto", causal=False, matmul_dtype="float32"):
+                          deterministic=True, implementation="auto", causal=False, matmul_dtype="float32",
+                          window=0, softcap=0.0, scale=None):
   """softmax(q k^T / sqrt(d_k) + ALiBi) v over the visible keys: the one attention used everywhere.
 
   q [batch, q_len, heads, head_dim]; k, v [batch, kv_len, kv_heads, head_dim] with heads a
@@ -378,7 +401,10 @@ def dot_product_attention(q, k, v, q_segment, kv_segment, q_slot=None, kv_slot=N
   Returns [batch, q_len, heads, head_dim]; a query that sees no key gets an unspecified
   (finite) output. `causal=True` promises slots are arange(q_len) == arange(kv_len) (training);
   the dense path then skips the key blocks above the diagonal. `matmul_dtype` as in `einsum`
-  (dense and tiled paths).
+  (dense and tiled paths). window > 0 (needs slots): a query sees keys fewer than `window`
+  slots back only (Mistral, Gemma's local layers); softcap > 0: logits become
+  softcap * tanh(logits / softcap) before the mask (Gemma 2); scale: the logits' scale
+  (None: head_dim^-0.5; Gemma's query_pre_attn_scalar^-0.5).
 
   Kernels (`choose_attention` picks one and logs it once per program): `einsum`, dense
   head-major matmuls (the CPU default at short lengths); `tiled`, FlashAttention-2 in JAX
@@ -389,30 +415,38 @@ def dot_product_attention(q, k, v, q_segment, kv_segment, q_slot=None, kv_slot=N
   Pallas splash attention in `shard_map` over the mesh (`jaxformer.kernels`; TPU).
   """
   use_dropout = dropout_rate > 0.0 and not deterministic
+  if window and q_slot is None:
+    raise ValueError("a sliding window needs slots (causal attention)")
+  # The new variants are passed only when set: a model without them traces the program it did before.
+  variant = {k: v for k, v in (("window", window), ("softcap", softcap), ("scale", scale)) if v}
   choice, reason = choose_attention(implementation, q.shape, k.shape, q.dtype, use_dropout, causal=causal,
-                                    slotted=q_slot is not None, alibi=alibi_slopes is not None)
+                                    slotted=q_slot is not None, alibi=alibi_slopes is not None,
+                                    window=window, softcap=softcap)
   _report(implementation, choice, reason, q.shape, k.shape, q.dtype)
   tiled = functools.partial(attention.flash_attention, q, k, v, q_segment, kv_segment, q_slot, kv_slot,
                             alibi_slopes=alibi_slopes, q_position=q_position, kv_position=kv_position,
-                            causal=causal, matmul_dtype=matmul_dtype)
+                            causal=causal, matmul_dtype=matmul_dtype, **variant)
   if choice == "tiled":
     return tiled()
   if choice == "splash":
-    return kernels.splash_attention(q, k, v, q_segment, kv_segment, causal=causal)
+    return kernels.splash_attention(q, k, v, q_segment, kv_segment, causal=causal, **variant)
   if choice == "cudnn":
     # cuDNN sees padding as one length per row; a packed batch is decided at run time.
+    no_cap = {k: v for k, v in variant.items() if k != "softcap"}  # (cudnn_supported refuses soft-capping)
     return jax.lax.cond(kernels.cudnn_rows_ok(q_segment, kv_segment),
-                        lambda: kernels.cudnn_attention(q, k, v, q_segment, kv_segment, causal=causal).astype(q.dtype),
+                        lambda: kernels.cudnn_attention(q, k, v, q_segment, kv_segment, causal=causal,
+                                                        **no_cap).astype(q.dtype),
                         lambda: tiled().astype(q.dtype))
-  mask = make_attention_mask(q_segment, kv_segment, q_slot, kv_slot)
+  mask = make_attention_mask(q_segment, kv_segment, q_slot, kv_slot, window)
   bias = None if alibi_slopes is None else alibi_bias(alibi_slopes, q_position, kv_position)
-  if choice == "xla":
-    return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, implementation=choice)
+  if choice == "xla" and not softcap:
+    return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale, implementation=choice)
   return _dense_attention(q, k, v, mask, bias, dropout_rate if use_dropout else 0.0, dropout_rng, causal,
-                          matmul_dtype)
+                          matmul_dtype, window, softcap, scale)
 
 
-def _dense_attention(q, k, v, mask, bias, dropout_rate, dropout_rng, causal, matmul_dtype):
+def _dense_attention(q, k, v, mask, bias, dropout_rate, dropout_rng, causal, matmul_dtype, window=0, softcap=0.0,
+                     scale=None):
   """The dense path: mask [batch, 1|heads, q_len, kv_len] bool, bias [batch|1, heads, q_len, kv_len] or None."""
   use_dropout = dropout_rate > 0.0
   b, t, h, d = q.shape
@@ -422,28 +456,35 @@ def _dense_attention(q, k, v, mask, bias, dropout_rate, dropout_rng, causal, mat
   # over (b, kv_heads) with no transposes left for XLA to insert around them (with the
   # causal blocks: an 11% faster step for a 256-token LM on CPU; BENCHMARKS.md). The g
   # query heads that share a kv head (GQA/MQA) are stacked as rows: kv is never repeated.
-  q = (q * jnp.asarray(d ** -0.5, q.dtype)).reshape(b, t, kv_heads, g, d).transpose(0, 2, 3, 1, 4)
+  q = (q * jnp.asarray(d ** -0.5 if scale is None else scale, q.dtype)).reshape(b, t, kv_heads, g, d)
+  q = q.transpose(0, 2, 3, 1, 4)
   k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [b, kv_heads, s, d]
   mask = jnp.broadcast_to(mask, (b, h, t, s))
   if bias is not None:
     bias = jnp.broadcast_to(bias, (b, h, t, s))
 
-  def attend(rows, keys):
-    """Queries `rows` against keys [0, keys): -> [b, kvh, g, len(rows), d]."""
+  def attend(rows, keys, first=0):
+    """Queries `rows` against keys [first, keys): -> [b, kvh, g, len(rows), d]."""
     qb = q[:, :, :, rows].reshape(b, kv_heads, -1, d)
-    logits = einsum("bkrd,bksd->bkrs", qb, k[:, :, :keys], matmul_dtype).astype(jnp.float32).reshape(b, h, -1, keys)
+    ks = slice(first, keys)
+    logits = einsum("bkrd,bksd->bkrs", qb, k[:, :, ks], matmul_dtype).astype(jnp.float32)
+    logits = logits.reshape(b, h, -1, keys - first)
+    if softcap:
+      logits = softcap * jnp.tanh(logits / softcap)
     if bias is not None:
-      logits = logits + bias[:, :, rows, :keys]
-    weights = jax.nn.softmax(jnp.where(mask[:, :, rows, :keys], logits, _MASK_VALUE), axis=-1)
+      logits = logits + bias[:, :, rows, ks]
+    weights = jax.nn.softmax(jnp.where(mask[:, :, rows, ks], logits, _MASK_VALUE), axis=-1)
     if use_dropout:
       keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
       weights = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
-    weights = weights.astype(v.dtype).reshape(b, kv_heads, -1, keys)
-    return einsum("bkrs,bksd->bkrd", weights, v[:, :, :keys], matmul_dtype).reshape(b, kv_heads, g, -1, d)
+    weights = weights.astype(v.dtype).reshape(b, kv_heads, -1, keys - first)
+    return einsum("bkrs,bksd->bkrd", weights, v[:, :, ks], matmul_dtype).reshape(b, kv_heads, g, -1, d)
 
   if causal and t == s and t >= 2 * _CAUSAL_BLOCK and not use_dropout:
-    # Query block i only sees keys up to its last row: ~half the square for long rows.
-    out = jnp.concatenate([attend(slice(i, min(i + _CAUSAL_BLOCK, t)), min(i + _CAUSAL_BLOCK, t))
+    # Query block i only sees keys up to its last row: ~half the square for long rows; with a
+    # window, only keys from (its first row - window + 1): linear in the window.
+    out = jnp.concatenate([attend(slice(i, min(i + _CAUSAL_BLOCK, t)), min(i + _CAUSAL_BLOCK, t),
+                                  max(0, i - window + 1) if window else 0)
                            for i in range(0, t, _CAUSAL_BLOCK)], axis=3)
   else:
     out = attend(slice(None), s)
@@ -460,10 +501,15 @@ class Attention(nn.Module):
   keeps the source's keys and values, `cross_key`/`cross_value` [batch, kv_heads, src_len,
   head_dim]: computed when a call passes kv_x (a sentence's first step) and read back
   when kv_x is None (every later step), so the source is projected once per sentence.
+
+  A local layer (`local`, model.sliding_window > 0) attends within the window, and its cache is
+  a ring buffer of min(window, size) slots: slot s is stored at s % slots, so decoding past the
+  window stays exact with a bounded cache.
   """
   cfg: ModelConfig
   causal: bool = False
   cross: bool = False
+  local: bool = False
 
   @nn.compact
   def __call__(self, x, q_segment, q_position, kv_x=None, kv_segment=None, kv_position=None,
@@ -474,22 +520,30 @@ class Attention(nn.Module):
     cross = self.cross
     if not cross:
       kv_x, kv_segment, kv_position = x, q_segment, q_position
-    q = dense(cfg, (h, d), ("embed", "heads", "kv"), name="query")(x)
+    qkv_bias = cfg.use_bias or cfg.qkv_bias
+    q = dense(cfg, (h, d), ("embed", "heads", "kv"), name="query", use_bias=qkv_bias)(x)
     if cross and decode and kv_x is None:  # a later step: the source's keys and values are cached
       k, v = (_from_head_major(self.get_variable("cache", n)) for n in ("cross_key", "cross_value"))
     else:
-      k = dense(cfg, (kvh, d), ("embed", "kv_heads", "kv"), name="key")(kv_x)
-      v = dense(cfg, (kvh, d), ("embed", "kv_heads", "kv"), name="value")(kv_x)
+      k = dense(cfg, (kvh, d), ("embed", "kv_heads", "kv"), name="key", use_bias=qkv_bias)(kv_x)
+      v = dense(cfg, (kvh, d), ("embed", "kv_heads", "kv"), name="value", use_bias=qkv_bias)(kv_x)
       if cross and decode:
         self.put_variable("cache", "cross_key", _head_major(k))
         self.put_variable("cache", "cross_value", _head_major(v))
+    if cfg.qk_norm and not cross:  # Qwen3, Gemma 3: each head's q and k normalised over head_dim, before RoPE
+      q, k = norm(cfg, "query_norm")(q), norm(cfg, "key_norm")(k)
     if cfg.position == "rope" and not cross:
-      q, k = apply_rope(q, q_position, cfg), apply_rope(k, kv_position, cfg)
+      rope_cfg = cfg
+      if self.local and cfg.rope_local_theta is not None:  # Gemma 3: local layers rotate with their own, unscaled base
+        rope_cfg = dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling="none")
+      q, k = apply_rope(q, q_position, rope_cfg), apply_rope(k, kv_position, rope_cfg)
 
     q_len = x.shape[1]
+    window = cfg.sliding_window if self.local else 0
     q_slot = kv_slot = jnp.arange(q_len) if self.causal else None
     if decode and not cross:
-      k, v, kv_segment, kv_position, q_slot, kv_slot = self._update_cache(k, v, q_segment, q_position)
+      update = self._update_ring if window else self._update_cache
+      k, v, kv_segment, kv_position, q_slot, kv_slot = update(k, v, q_segment, q_position)
 
     slopes = alibi_slopes(h) if cfg.position == "alibi" and not cross else None
     dropout_rng = None
@@ -499,7 +553,9 @@ class Attention(nn.Module):
                                 q_position=q_position, kv_position=kv_position,
                                 dropout_rate=cfg.attention_dropout_rate, dropout_rng=dropout_rng,
                                 deterministic=deterministic, implementation=cfg.attention_impl,
-                                causal=self.causal and not decode, matmul_dtype=cfg.matmul_dtype)
+                                causal=self.causal and not decode, matmul_dtype=cfg.matmul_dtype, window=window,
+                                softcap=cfg.attn_softcap if not cross else 0.0,
+                                scale=None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5)
     out = nn.with_logical_constraint(out, ("batch", "length", "heads", "kv"))
     return dense(cfg, cfg.d_model, ("heads", "kv", "embed"), axis=(-2, -1), name="out")(out)
 
@@ -525,6 +581,54 @@ class Attention(nn.Module):
     return (_from_head_major(ck.value), _from_head_major(cv.value), cseg.value, cpos.value, i + jnp.arange(t),
             jnp.arange(max_len))
 
+  def _update_ring(self, k, v, segment, position):
+    """A local layer's cache: a ring of n = min(window, size) slots, slot s kept at s % n.
+
+    One token (a decode step) is written first, then attends to the ring, which then holds
+    exactly the window ending at it. A longer call (a prompt) attends to the ring as it was
+    plus its own tokens, then keeps its last n tokens: its early queries need keys that the
+    write would overwrite. Returns what `_update_cache` does (slots of each key to mask with).
+    """
+    b, t = k.shape[:2]
+    initialized = self.has_variable("cache", "cached_key")
+    n = min(self.cfg.sliding_window, t) if not initialized else None
+    shape = lambda x: x.shape[:kv_slots_axis(b)] + (n,) + x.shape[kv_slots_axis(b) + 1:]
+    ck = self.variable("cache", "cached_key", lambda: jnp.zeros(shape(_head_major(k)), k.dtype))
+    cv = self.variable("cache", "cached_value", lambda: jnp.zeros(shape(_head_major(v)), v.dtype))
+    cseg = self.variable("cache", "cached_segment", lambda: jnp.zeros((b, n), jnp.int32))
+    cpos = self.variable("cache", "cached_position", lambda: jnp.zeros((b, n), jnp.int32))
+    index = self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
+    if not initialized:
+      return k, v, segment, position, jnp.arange(t), jnp.arange(t)
+    i, axis = index.value, kv_slots_axis(b)
+    n = ck.value.shape[axis]
+
+    def ring_slots(written):  # the slot each ring entry holds once `written` slots are written (< 0: none yet)
+      r = jnp.arange(n)
+      return written - 1 - jnp.mod(written - 1 - r, n)
+
+    def write(k, v, segment, position, first):
+      """Stores the tokens of slots first, first + 1, ... (at most n of them) in the ring."""
+      at = jnp.mod(first + jnp.arange(k.shape[1]), n)
+      put = lambda cache, x: cache.at[(slice(None),) * axis + (at,)].set(x.astype(cache.dtype))
+      ck.value, cv.value = put(ck.value, _head_major(k)), put(cv.value, _head_major(v))
+      cseg.value = cseg.value.at[:, at].set(segment.astype(jnp.int32))
+      cpos.value = cpos.value.at[:, at].set(position.astype(jnp.int32))
+
+    index.value = i + t
+    if t == 1:
+      write(k, v, segment, position, i)
+      return (_from_head_major(ck.value), _from_head_major(cv.value), cseg.value, cpos.value, i + jnp.arange(1),
+              ring_slots(i + 1))
+    keys = jnp.concatenate([_from_head_major(ck.value), k.astype(ck.value.dtype)], 1)
+    values = jnp.concatenate([_from_head_major(cv.value), v.astype(cv.value.dtype)], 1)
+    kv_segment = jnp.concatenate([cseg.value, segment.astype(jnp.int32)], 1)
+    kv_position = jnp.concatenate([cpos.value, position.astype(jnp.int32)], 1)
+    kv_slot = jnp.concatenate([ring_slots(i), i + jnp.arange(t)])
+    keep = min(t, n)
+    write(k[:, t - keep:], v[:, t - keep:], segment[:, t - keep:], position[:, t - keep:], i + t - keep)
+    return keys, values, kv_segment, kv_position, i + jnp.arange(t), kv_slot
+
 
 # The KV cache is stored head-major, [batch, kv_heads, slots, head_dim]: the layout the attention
 # matmuls read, so the transposes around them cancel and a decode step does not copy the whole
@@ -545,7 +649,8 @@ _from_head_major = _head_major  # [batch, kv_heads, slots, head_dim] -> [batch, 
 
 
 class FeedForward(nn.Module):
-  """Position-wise FFN: ReLU (paper), GELU (tanh: GPT-2; erf: nanoGPT, BERT), SiLU (OPUS-MT) or SwiGLU (Llama).
+  """Position-wise FFN: ReLU (paper), GELU (tanh: GPT-2; erf: nanoGPT, BERT), SiLU (OPUS-MT), SwiGLU (Llama)
+  or GeGLU (Gemma).
 
   [batch, length, d_model] -> [batch, length, d_model].
   """
@@ -554,25 +659,47 @@ class FeedForward(nn.Module):
   @nn.compact
   def __call__(self, x, deterministic=True):
     cfg = self.cfg
-    if cfg.activation == "swiglu":
-      gate = dense(cfg, cfg.d_ff, ("embed", "mlp"), name="wi_gate")(x)
-      up = dense(cfg, cfg.d_ff, ("embed", "mlp"), name="wi_up")(x)
-      hidden = nn.silu(gate) * up
-    else:
-      hidden = dense(cfg, cfg.d_ff, ("embed", "mlp"), name="wi")(x)
-      # gelu: the tanh approximation (GPT-2); gelu_exact: the erf form (nanoGPT, BERT).
-      if cfg.activation == "relu":
-        hidden = nn.relu(hidden)
-      elif cfg.activation == "silu":  # x * sigmoid(x), "swish" in HF configs (OPUS-MT)
-        hidden = nn.silu(hidden)
-      else:
-        hidden = nn.gelu(hidden, approximate=cfg.activation == "gelu")
+    names = ("wi_gate", "wi_up") if cfg.gated else ("wi",)
+    hidden = ffn_activation(cfg, [dense(cfg, cfg.d_ff, ("embed", "mlp"), name=n)(x) for n in names])
     hidden = nn.with_logical_constraint(hidden, ("batch", "length", "mlp"))
     return dense(cfg, cfg.d_model, ("mlp", "embed"), name="wo")(hidden)
 
 
+def ffn_activation(cfg: ModelConfig, hidden):
+  """The FFN nonlinearity on the input projections' outputs: [wi] or, gated, [wi_gate, wi_up] (also MoE experts)."""
+  if cfg.activation == "swiglu":
+    return nn.silu(hidden[0]) * hidden[1]
+  if cfg.activation == "geglu":  # Gemma: gelu_pytorch_tanh on the gate
+    return nn.gelu(hidden[0], approximate=True) * hidden[1]
+  h = hidden[0]
+  if cfg.activation == "relu":
+    return nn.relu(h)
+  if cfg.activation == "silu":  # x * sigmoid(x), "swish" in HF configs (OPUS-MT)
+    return nn.silu(h)
+  # gelu: the tanh approximation (GPT-2); gelu_exact: the erf form (nanoGPT, BERT).
+  return nn.gelu(h, approximate=cfg.activation == "gelu")
+
+
+class UnitOffsetRMSNorm(nn.Module):
+  """Gemma's RMSNorm: x / rms(x) * (1 + w), w [features] starting at 0, computed in float32.
+
+  [..., features] -> same shape in `dtype`.
+  """
+  epsilon: float = 1e-6
+  dtype: str = "float32"
+
+  @nn.compact
+  def __call__(self, x):
+    w = self.param("scale", _param(nn.initializers.zeros, ("norm",)), (x.shape[-1],), jnp.float32)
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.epsilon)
+    return (y * (1.0 + w)).astype(self.dtype)
+
+
 def norm(cfg: ModelConfig, name=None):
-  """LayerNorm (paper, GPT-2) or RMSNorm (Llama), parameters named on the `norm` axis."""
+  """LayerNorm (paper, GPT-2), RMSNorm (Llama) or its (1 + w) form (Gemma), parameters named on the `norm` axis."""
+  if cfg.norm_unit_offset:
+    return UnitOffsetRMSNorm(epsilon=cfg.norm_eps, dtype=cfg.dtype, name=name)
   if cfg.norm == "rmsnorm":
     return nn.RMSNorm(epsilon=cfg.norm_eps, dtype=jnp.dtype(cfg.dtype), name=name,
                       scale_init=_param(nn.initializers.ones, ("norm",)))

@@ -39,7 +39,8 @@ class Block(nn.Module):
   """One layer: self-attention, optional cross-attention, FFN; each a residual sublayer.
 
   Post-norm (paper): x = norm(x + dropout(f(x))). Pre-norm (GPT-2, Llama):
-  x = x + dropout(f(norm(x))). x [batch, length, d_model] -> same shape, or
+  x = x + dropout(f(norm(x))); with model.post_norms (Gemma 2/3) x + dropout(norm'(f(norm(x)))).
+  `local`: self-attention within model.sliding_window. x [batch, length, d_model] -> same shape, or
   (x, None) with `scan_body` (the carry and per-layer outputs `nn.scan` expects).
   """
   cfg: ModelConfig
@@ -47,6 +48,7 @@ class Block(nn.Module):
   cross: bool = False
   scan_body: bool = False
   moe: bool = False  # the FFN is `moe.MoEFeedForward` (see moe.is_moe_layer)
+  local: bool = False  # sliding-window self-attention (see ModelConfig.layer_is_local)
 
   @nn.compact
   def __call__(self, x, segment, position, encoded=None, encoded_segment=None,
@@ -56,10 +58,13 @@ class Block(nn.Module):
     def sublayer(x, fn, name):
       drop = nn.Dropout(cfg.dropout_rate)
       if cfg.norm_position == "pre":
-        return x + drop(fn(layers.norm(cfg, f"{name}_norm")(x)), deterministic=deterministic)
+        y = fn(layers.norm(cfg, f"{name}_norm")(x))
+        if cfg.post_norms:
+          y = layers.norm(cfg, f"{name}_post_norm")(y)
+        return x + drop(y, deterministic=deterministic)
       return layers.norm(cfg, f"{name}_norm")(x + drop(fn(x), deterministic=deterministic))
 
-    self_attention = layers.Attention(cfg, causal=self.causal, name="self_attention")
+    self_attention = layers.Attention(cfg, causal=self.causal, local=self.local, name="self_attention")
     x = sublayer(x, lambda y: self_attention(y, segment, position, deterministic=deterministic,
                                              decode=decode), "self_attention")
     if self.cross:
@@ -122,10 +127,11 @@ class Stack(nn.Module):
                             split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,) * len(args),
                             length=self.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
       x, _ = layer_stack(cfg, self.causal, self.cross, scan_body=True, moe=moe_lib.is_moe_layer(cfg, 0),
-                         name="layers")(x, *args)
+                         local=cfg.layer_is_local(0), name="layers")(x, *args)
     else:
       for i in range(self.num_layers):
-        x = block_class(cfg)(cfg, self.causal, self.cross, moe=moe_lib.is_moe_layer(cfg, i), name=f"layer_{i}")(x, *args)
+        x = block_class(cfg)(cfg, self.causal, self.cross, moe=moe_lib.is_moe_layer(cfg, i),
+                             local=cfg.layer_is_local(i), name=f"layer_{i}")(x, *args)
     if cfg.norm_position == "pre":
       x = layers.norm(cfg, "final_norm")(x)
     return x
@@ -175,7 +181,7 @@ class EncoderDecoder(nn.Module):
     if not project:
       return x
     logits = self.decoder_embed.attend(x) if self.cfg.tie_output else self.logits(x).astype(jnp.float32)
-    return logits if self.logits_bias is None else logits + self.logits_bias
+    return layers.finish_logits(logits, self.logits_bias, self.cfg)
 
   def output_weight(self):
     """The vocabulary projection: ((weight, logits bias or None), einsum spec) for `layers.project_logits`."""
@@ -219,7 +225,7 @@ class DecoderOnly(nn.Module):
     if not project:
       return x
     logits = self.embed.attend(x) if self.cfg.tie_output else self.logits(x).astype(jnp.float32)
-    return logits if self.logits_bias is None else logits + self.logits_bias
+    return layers.finish_logits(logits, self.logits_bias, self.cfg)
 
   def output_weight(self):
     """The vocabulary projection: ((weight, logits bias or None), einsum spec) for `layers.project_logits`."""

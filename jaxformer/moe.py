@@ -147,7 +147,7 @@ class MoEFeedForward(nn.Module):
 
     init = layers._param(layers.kernel_init(cfg), ("expert", "embed", "mlp"))
     init_out = layers._param(layers.kernel_init(cfg), ("expert", "mlp", "embed"))
-    names_in = ("wi_gate", "wi_up") if cfg.activation == "swiglu" else ("wi",)
+    names_in = ("wi_gate", "wi_up") if cfg.gated else ("wi",)
     w_in = [self.expert_weight(name, self.param(name, init, (num_e, d, f), jnp.float32)) for name in names_in]
     w_out = self.expert_weight("wo", self.param("wo", init_out, (num_e, f, d), jnp.float32))
     dtype = jnp.dtype(cfg.matmul_dtype if cfg.matmul_dtype != "float32" else cfg.dtype)
@@ -160,7 +160,7 @@ class MoEFeedForward(nn.Module):
           return matmul(h, w.astype(dtype)) + matmul(matmul(h, a.astype(dtype)).astype(dtype), b.astype(dtype))
         return matmul(h, w.astype(dtype))
       hidden = [project(h, w) for w in w_in]
-      return project(_activation(cfg, hidden).astype(dtype), w_out)
+      return project(layers.ffn_activation(cfg, hidden).astype(dtype), w_out)
 
     if cfg.moe_capacity_factor > 0 and not deterministic:  # training only (see the module docstring)
       cap = capacity(cfg, n)
@@ -272,27 +272,15 @@ def sow_router_statistics(module, logits, top_e, probs):
   module.sow("intermediates", "expert_fraction", fraction)
 
 
-def _activation(cfg, hidden):
-  """The FFN nonlinearity of `layers.FeedForward` on the input projections' outputs."""
-  if cfg.activation == "swiglu":
-    return nn.silu(hidden[0]) * hidden[1]
-  h = hidden[0]
-  if cfg.activation == "relu":
-    return nn.relu(h)
-  if cfg.activation == "silu":
-    return nn.silu(h)
-  return nn.gelu(h, approximate=cfg.activation == "gelu")
-
-
 def dense_reference(params, cfg: ModelConfig, x):
   """Every expert on every token, combined by the router weights (zero off the top k): the
   test reference for `MoEFeedForward` (dropless, no shared experts). x [batch, length, d_model]."""
   tokens = x.reshape(-1, x.shape[-1])
   weights, top_e, _ = route(tokens @ params["router"]["kernel"], cfg.moe_top_k)
   gate = jnp.sum(jax.nn.one_hot(top_e, cfg.moe_experts) * weights[..., None], axis=1)  # [n, experts]
-  names = ("wi_gate", "wi_up") if cfg.activation == "swiglu" else ("wi",)
+  names = ("wi_gate", "wi_up") if cfg.gated else ("wi",)
   hidden = [jnp.einsum("nd,edf->enf", tokens, params[name]) for name in names]
-  out = jnp.einsum("enf,efd->end", _activation(cfg, hidden), params["wo"])
+  out = jnp.einsum("enf,efd->end", layers.ffn_activation(cfg, hidden), params["wo"])
   return jnp.einsum("end,ne->nd", out, gate).reshape(x.shape)
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jaxformer import config as config_lib
+from jaxformer import layers
 from jaxformer import model as model_lib
 from jaxformer import moe
 from jaxformer import sharding
@@ -90,7 +91,7 @@ def test_capacity_mode_drops_exactly_the_copies_its_rule_names(factor):
         e = int(top_e[t, j])
         one = {k: v[e:e + 1] for k, v in params.items() if k != "router"}
         hidden = [tokens[t] @ one[n][0] for n in ("wi_gate", "wi_up")]
-        want[t] += float(weights[t, j]) * np.asarray(moe._activation(cfg, hidden) @ one["wo"][0])
+        want[t] += float(weights[t, j]) * np.asarray(layers.ffn_activation(cfg, hidden) @ one["wo"][0])
   y, stats = _apply(cfg, params, x)
   np.testing.assert_allclose(np.asarray(y).reshape(tokens.shape), want, atol=1e-5, rtol=1e-5)
   np.testing.assert_allclose(stats["dropped_fraction"], 1 - kept.mean(), rtol=1e-6)  # logged by training
