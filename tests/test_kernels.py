@@ -23,11 +23,13 @@ FWD_TOL = dict(atol=3e-3, rtol=3e-3)
 BWD_TOL = dict(atol=2e-2, rtol=3e-2)
 
 
-def reference(q, k, v, q_segment, kv_segment, causal, d_out):
+def reference(q, k, v, q_segment, kv_segment, causal, d_out, window=0, softcap=0.0, scale=None):
   """Dense attention and its hand-written backward in numpy (float64).
 
   q [b, t, h, d]; k, v [b, s, kvh, d]; d_out [b, t, h, d], the cotangent. Returns
   (out, dq, dk, dv, valid [b, t]); rows with no visible key (padding queries) are not valid.
+  window > 0: also q - k < window (rows); softcap > 0: logits softcap * tanh(scale * q.k / softcap);
+  scale None: d^-0.5.
   """
   q, k, v, d_out = (np.asarray(x, np.float64) for x in (q, k, v, d_out))
   b, t, h, d = q.shape
@@ -39,9 +41,14 @@ def reference(q, k, v, q_segment, kv_segment, causal, d_out):
   mask = (qs[:, :, None] == ks[:, None, :]) & (ks[:, None, :] != 0)
   if causal:
     mask &= np.tril(np.ones((t, s), bool))[None]
+  if window:
+    mask &= (np.arange(t)[:, None] - np.arange(s)[None, :] < window)[None]
   mask = mask[:, None]  # [b, 1, t, s]
-  scale = d ** -0.5
+  scale = d ** -0.5 if scale is None else scale
   logits = np.einsum("bthd,bshd->bhts", q, kr) * scale
+  if softcap:
+    cap = np.tanh(logits / softcap)
+    logits = softcap * cap
   logits = np.where(mask, logits, -np.inf)
   valid = mask.any(-1)[:, 0]  # [b, t]
   logits = np.where(valid[:, None, :, None], logits, 0.0)
@@ -53,6 +60,8 @@ def reference(q, k, v, q_segment, kv_segment, causal, d_out):
   dv = np.einsum("bhts,bthd->bshd", p, d_out)
   dp = np.einsum("bthd,bshd->bhts", d_out, vr)
   ds = p * (dp - (dp * p).sum(-1, keepdims=True))
+  if softcap:
+    ds = ds * (1 - cap ** 2)
   dq = np.einsum("bhts,bshd->bthd", ds, kr) * scale
   dk = np.einsum("bhts,bthd->bshd", ds, q) * scale
   # The g query heads that share a kv head add their gradients into it.
@@ -70,13 +79,14 @@ def _inputs(b, t, s, h, kvh, d, seed=0):
   return q, k, v, d_out
 
 
-def _check_splash(q, k, v, d_out, q_segment, kv_segment, causal):
-  out_ref, dq_ref, dk_ref, dv_ref, valid = reference(q, k, v, q_segment, kv_segment, causal, d_out)
+def _check_splash(q, k, v, d_out, q_segment, kv_segment, causal, **variant):
+  """Splash (interpret mode) forward and q, k, v gradients against `reference` -> splash's output."""
+  out_ref, dq_ref, dk_ref, dv_ref, valid = reference(q, k, v, q_segment, kv_segment, causal, d_out, **variant)
   segs = (None, None) if q_segment is None else (jnp.asarray(q_segment), jnp.asarray(kv_segment))
   valid_rows = jnp.asarray(valid[:, :, None, None], jnp.float32)
 
   def loss(q, k, v):
-    out = kernels.splash_attention(q, k, v, *segs, causal=causal, interpret=True)
+    out = kernels.splash_attention(q, k, v, *segs, causal=causal, interpret=True, **variant)
     return jnp.sum(out * d_out * valid_rows), out
 
   (_, out), (dq, dk, dv) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
@@ -85,6 +95,7 @@ def _check_splash(q, k, v, d_out, q_segment, kv_segment, causal):
   np.testing.assert_allclose(np.asarray(dq), dq_ref, **BWD_TOL)
   np.testing.assert_allclose(np.asarray(dk), dk_ref, **BWD_TOL)
   np.testing.assert_allclose(np.asarray(dv), dv_ref, **BWD_TOL)
+  return np.asarray(out), valid
 
 
 def test_splash_causal_gqa_with_packed_and_padded_segments():
@@ -170,13 +181,15 @@ print("shard_map ok")
     (dict(decode=True), "KV cache"),
     (dict(q=(2, 128, 4, 128)), "causal attention with q_len 128 != kv_len 256"),
     (dict(dtype=jnp.float16), "float16"),
+    (dict(window=128, softcap=50.0), None),
+    (dict(window=128, causal=False, q=(2, 256, 4, 128)), "sliding window"),
 ])
 def test_splash_supported_reasons(kwargs, reason):
   q = kwargs.pop("q", (2, 256, 4, 128))
   kv = kwargs.pop("kv", (2, 256, 2, 128))
   dtype = kwargs.pop("dtype", jnp.bfloat16)
-  got = kernels.splash_supported(q, kv, dtype, causal=True, mesh=jax.sharding.AbstractMesh((), ()),
-                                 **{"backend": "tpu", **kwargs})
+  got = kernels.splash_supported(q, kv, dtype, mesh=jax.sharding.AbstractMesh((), ()),
+                                 **{"backend": "tpu", "causal": True, **kwargs})
   assert (got is None) if reason is None else (reason in got), got
 
 
@@ -208,13 +221,17 @@ def test_splash_block_sizes_follow_the_lengths():
     (dict(q=(2, 128, 8, 256), kv=(2, 128, 2, 256)), "at most 128"),
     (dict(q=(2, 128, 8, 256), kv=(2, 128, 2, 256), compute_capability="9.0"), None),
     (dict(q=(2, 128, 8, 60), kv=(2, 128, 2, 60)), "multiple of 8"),
+    (dict(softcap=50.0), "soft-capping"),
+    (dict(softcap=50.0, window=64), "soft-capping"),
+    (dict(window=64), None),
+    (dict(window=64, causal=False), "sliding window"),
 ])
 def test_cudnn_supported_reasons(kwargs, reason):
   q = kwargs.pop("q", (2, 128, 8, 64))
   kv = kwargs.pop("kv", (2, 128, 2, 64))
   dtype = kwargs.pop("dtype", jnp.bfloat16)
-  got = kernels.cudnn_supported(q, kv, dtype, causal=True, **{"backend": "gpu", "compute_capability": "8.0",
-                                                               "segments": "padding", **kwargs})
+  got = kernels.cudnn_supported(q, kv, dtype, **{"backend": "gpu", "compute_capability": "8.0", "causal": True,
+                                                 "segments": "padding", **kwargs})
   assert (got is None) if reason is None else (reason in got), got
 
 
@@ -332,3 +349,75 @@ def test_splash_in_a_llama_model_equals_einsum(monkeypatch):
   valid = np.asarray(seg) != 0
   np.testing.assert_allclose(np.asarray(logits)[valid], np.asarray(ref_logits)[valid], **FWD_TOL)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), **BWD_TOL), grads, ref_grads)
+
+
+# ----------------------------------------------------------------------------- window, soft-capping, scale
+
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+def test_splash_mask_is_the_causal_window(window):
+  """LocalMask(window_size=(window - 1, 0)) as built here is exactly k <= q and q - k < window."""
+  got = np.asarray(kernels.splash_mask(16, 16, True, window)[:, :])
+  diff = np.arange(16)[:, None] - np.arange(16)[None, :]
+  np.testing.assert_array_equal(got, (diff >= 0) & (diff < window))
+
+
+def test_splash_window_softcap_and_scale_gqa_packed():
+  """Splash with a window, soft-capping and a custom scale (interpret mode) against numpy, forward and
+  gradients; without any one of them numpy's output is far from splash's (the check can fail)."""
+  variant = dict(window=100, softcap=2.0, scale=0.15)
+  q, k, v, d_out = _inputs(2, 256, 256, 4, 2, 128, seed=7)
+  seg = np.array([[1] * 100 + [2] * 60 + [3] * 96, [1] * 200 + [0] * 56], np.int32)
+  out, valid = _check_splash(q, k, v, d_out, seg, seg, True, **variant)
+  for dropped in variant:
+    rest = {key: value for key, value in variant.items() if key != dropped}
+    ref = reference(q, k, v, seg, seg, True, d_out, **rest)[0]
+    assert np.abs(out[valid] - ref[valid]).max() > 0.05, dropped
+
+
+def test_splash_kernel_is_cached_per_window_and_softcap_and_skips_blocks():
+  """The cached kernel differs per variant, carries the cap, and with a 100-row window visits at most two
+  512-row key blocks per query block (the window and the diagonal) where causal needs up to three."""
+  window = kernels._splash_kernel(1, 1536, 1536, True, False, True, 100, 2.0)
+  causal = kernels._splash_kernel(1, 1536, 1536, True, False, True, 0, 0.0)
+  assert window is not causal and window is kernels._splash_kernel(1, 1536, 1536, True, False, True, 100, 2.0)
+  assert window.kwargs["attn_logits_soft_cap"] == 2.0 and causal.kwargs["attn_logits_soft_cap"] is None
+  assert (np.asarray(window.fwd_mask_info.block_mask) != 0).sum(-1).max() == 2
+  assert (np.asarray(causal.fwd_mask_info.block_mask) != 0).sum(-1).max() == 3
+
+
+def test_cudnn_window_and_scale_arguments_mean_the_reference_mask(monkeypatch):
+  """cudnn_attention's call (captured: no GPU) with a window and a scale: local_window_size (window - 1, 0)
+  and the scale; the same arguments on JAX's XLA implementation give numpy's numbers, and without the
+  window they would not."""
+  calls = []
+  real = jax.nn.dot_product_attention
+
+  def capture(q, k, v, **kwargs):
+    calls.append(kwargs)
+    return real(q, k, v, **{**kwargs, "implementation": "xla"})
+
+  monkeypatch.setattr(jax.nn, "dot_product_attention", capture)
+  q, k, v, d_out = _inputs(2, 16, 16, 4, 2, 8, seed=8)
+  seg = np.array([[1] * 16, [1] * 11 + [0] * 5], np.int32)
+  out = kernels.cudnn_attention(q, k, v, jnp.asarray(seg), jnp.asarray(seg), causal=True, window=5, scale=0.2)
+  (args,) = calls
+  assert args["implementation"] == "cudnn" and args["is_causal"]
+  assert args["local_window_size"] == (4, 0) and args["scale"] == 0.2
+  out_ref, *_, valid = reference(q, k, v, seg, seg, True, d_out, window=5, scale=0.2)
+  np.testing.assert_allclose(np.asarray(out)[valid], out_ref[valid], atol=1e-5, rtol=1e-5)
+  no_window = reference(q, k, v, seg, seg, True, d_out, scale=0.2)[0]
+  assert np.abs(np.asarray(out)[valid] - no_window[valid]).max() > 0.05
+  assert "local_window_size" not in kernels.cudnn_arguments(causal=True) and "scale" not in kernels.cudnn_arguments(
+      causal=True)
+
+
+def test_the_dispatcher_passes_window_and_softcap_to_the_kernel_checks():
+  from jaxformer import layers
+  choose = layers.choose_attention
+  n = layers.TILED_MIN_LENGTH
+  gemma = (2, n, 8, 128)
+  kv = (2, n, 4, 128)
+  assert choose("auto", gemma, kv, jnp.bfloat16, False, "tpu", causal=True, window=4096, softcap=50.0)[0] == "splash"
+  assert choose("auto", gemma, kv, jnp.bfloat16, False, "gpu", causal=True, window=4096)[0] == "cudnn"
+  choice, reason = choose("auto", gemma, kv, jnp.bfloat16, False, "gpu", causal=True, window=4096, softcap=50.0)
+  assert choice == "tiled" and "soft-capping" in reason
