@@ -307,11 +307,26 @@ def encode_pieces(tokenizer, pieces, hf_tokenizer):
           if j:
             parts.append([tokenizer.bos_id])
           if sub:
-            parts.append(list(tokenizer.encode(sub)))
+            parts.extend(_encode_text(tokenizer, sub))
     for p in parts:
       ids.extend(p)
       mask.extend([int(on)] * len(p))
   return np.asarray(ids, np.int32), np.asarray(mask, np.uint8)
+
+
+def _encode_text(tokenizer, text):
+  """[ids, ...] of text, where a sentencepiece model's control symbols written by the template (Mistral's
+  [INST]) are their ids, as transformers' tokenizer matches them, and the text between is encoded alone."""
+  controls = getattr(tokenizer, "control_pieces", None)
+  if not controls:
+    return [list(tokenizer.encode(text))]
+  parts = []
+  for chunk in re.split("(" + "|".join(re.escape(c) for c in sorted(controls, key=len, reverse=True)) + ")", text):
+    if chunk in controls:
+      parts.append([controls[chunk]])
+    elif chunk:
+      parts.append(list(tokenizer.encode(chunk)))
+  return parts
 
 
 def preference_pieces(template, record, eos_id, where=""):

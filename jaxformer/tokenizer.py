@@ -27,6 +27,7 @@ records (`model.pad_id`, `bos_id`, `eos_id`) and `Tokenizer.use_model_ids` check
 
 import base64
 import json
+import functools
 import os
 import tempfile
 
@@ -103,6 +104,13 @@ class SentencePieceTokenizer(Tokenizer):
 
   def encode(self, text):
     return self.sp.encode(text)
+
+  @functools.cached_property
+  def control_pieces(self):
+    """{piece: id} of the model's control symbols other than BOS/EOS/pad (Mistral's [INST], [/INST]):
+    sentencepiece never produces them from text, so chat templates that write them need this map."""
+    skip = {self.bos_id, self.eos_id, self.pad_id}
+    return {self.sp.id_to_piece(i): i for i in range(self.vocab_size) if self.sp.is_control(i) and i not in skip}
 
   def encode_batch(self, texts, num_threads=-1):
     # sentencepiece encodes a list on C++ threads (-1 = all cores).

@@ -262,7 +262,7 @@ def test_unsupported_architectures_and_mismatched_files_are_one_line_errors(tmp_
                         "--workdir", w)
   assert_one_line_error(capsys, r"embed_tokens\.weight has shape \[400, 64\] but config\.json implies \[401, 64\]",
                         "--from-hf", edited_copy(tmp_path, "llama", lambda c: c.update(vocab_size=401)), "--workdir", w)
-  assert_one_line_error(capsys, r"rope type='dynamic' is not supported.*default, llama3, yarn",
+  assert_one_line_error(capsys, r"rope type='dynamic' is not supported.*default, linear, llama3, yarn",
                         "--from-hf", edited_copy(tmp_path, "llama", lambda c: c.update(
                             rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})),
                         "--workdir", w)

@@ -74,14 +74,67 @@ def fused_qkv(hf, attention, weight):
   return Tensor(hf, ours, to_ours, to_hf)
 
 
-def attention(prefix, ours, names, bias):
-  """q/k/v/o Linear layers (Llama, Marian) <-> our query/key/value/out."""
+def fused_linear(hf, ours, sizes):
+  """One torch.nn.Linear weight [sum(sizes), in] whose output rows stack several of our kernels
+  (Phi-3's qkv_proj: q, k, v; gate_up_proj: gate, up) <-> those kernels [in, *out_axes]."""
+  def to_ours(a, shapes):
+    parts = np.split(a, np.cumsum(sizes)[:-1], axis=0)
+    return tuple(x.T.reshape(s) for x, s in zip(parts, shapes))
+
+  def to_hf(xs):
+    return np.concatenate([x.reshape(x.shape[0], -1).T for x in xs], axis=0)
+  return Tensor(hf, tuple(ours), to_ours, to_hf)
+
+
+def attention(prefix, ours, names, bias, qkv_bias=False):
+  """q/k/v/o Linear layers (Llama, Marian) <-> our query/key/value/out; `bias` on all four,
+  `qkv_bias` on q/k/v only (Qwen2)."""
   out = []
   for hf_name, our_name in zip(names, ("query", "key", "value", "out")):
     out.append(linear(f"{prefix}.{hf_name}.weight", ours + (our_name, "kernel"), n_in=2 if our_name == "out" else 1))
-    if bias:
+    if bias or (qkv_bias and our_name != "out"):
       out.append(vector(f"{prefix}.{hf_name}.bias", ours + (our_name, "bias")))
   return out
+
+
+# The decoder features of issue 36 switched off: what a family that has none of them WANTS.
+PLAIN = dict(qkv_bias=False, qk_norm=False, norm_unit_offset=False, post_norms=False, sliding_window=0,
+             attention_pattern="", attn_softcap=0.0, final_softcap=0.0, query_pre_attn_scalar=None,
+             rope_local_theta=None)
+
+
+def windows(hf, types=None):
+  """model.sliding_window and model.attention_pattern from config.json's `sliding_window` and `layer_types`
+  (`types`: the list when config.json states it another way): the shortest repeating cycle of local
+  (sliding_attention) and global (full_attention) layers; "" when all are local, no window when none is."""
+  types = hf.get("layer_types") if types is None else types
+  window = int(hf.get("sliding_window") or 0)
+  if not types:
+    return {"sliding_window": window, "attention_pattern": ""}
+  kinds = []
+  for t in types:
+    if t not in ("sliding_attention", "full_attention"):
+      unsupported("layer_types entry", t, "attention patterns (sliding_attention, full_attention)")
+    kinds.append("local" if t == "sliding_attention" else "global")
+  if "local" not in kinds:
+    return {"sliding_window": 0, "attention_pattern": ""}
+  if not window:
+    unsupported("sliding_window", hf.get("sliding_window"), "local layers (layer_types has sliding_attention: "
+                "a window in tokens is needed)")
+  if "global" not in kinds:
+    return {"sliding_window": window, "attention_pattern": ""}
+  period = next(p for p in range(1, len(kinds) + 1) if all(kinds[i] == kinds[i % p] for i in range(len(kinds))))
+  return {"sliding_window": window, "attention_pattern": ",".join(kinds[:period])}
+
+
+def derived_head_dim(m):
+  """[("head_dim", None)] where a family without a head_dim field (hidden / heads) cannot hold the model's."""
+  return [("head_dim", None)] if m.head_dim is not None and m.head_dim != m.d_model // m.num_heads else []
+
+
+def layer_types(m):
+  """config.json's `layer_types` for model.attention_pattern (the inverse of `layer_pattern`)."""
+  return ["sliding_attention" if m.layer_is_local(i) else "full_attention" for i in range(m.num_layers)]
 
 
 def norm(prefix, ours, bias=True):
@@ -162,8 +215,10 @@ def rope(hf):
   fields = {"position": "rope", "rope_theta": float(theta)}
   if kind == "default":
     return fields
+  if kind == "linear":
+    return {**fields, "rope_scaling": "linear", "rope_scaling_factor": float(params["factor"])}
   if kind not in ("llama3", "yarn"):
-    unsupported("rope type", kind, "RoPE scalings (default, llama3, yarn)")
+    unsupported("rope type", kind, "RoPE scalings (default, linear, llama3, yarn)")
   original = params.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
   factor = params.get("factor")
   if factor is None:  # transformers' rule (DeepSeek-V3)
@@ -180,6 +235,25 @@ def rope(hf):
                   rope_mscale=float(params.get("mscale") or 0.0),
                   rope_mscale_all_dim=float(params.get("mscale_all_dim") or 0.0))
   return fields
+
+
+def rope_parameters(m):
+  """config.json's `rope_parameters` (transformers >= 5) for the model's RoPE fields (the inverse of `rope`)."""
+  rope = {"rope_type": "default", "rope_theta": m.rope_theta}
+  if m.rope_scaling == "linear":
+    rope.update(rope_type="linear", factor=m.rope_scaling_factor)
+  elif m.rope_scaling == "llama3":
+    rope.update(rope_type="llama3", factor=m.rope_scaling_factor, low_freq_factor=m.rope_low_freq_factor,
+                high_freq_factor=m.rope_high_freq_factor, original_max_position_embeddings=m.rope_original_max_len)
+  elif m.rope_scaling == "yarn":
+    rope.update(rope_type="yarn", factor=m.rope_scaling_factor, beta_fast=m.rope_beta_fast,
+                beta_slow=m.rope_beta_slow,
+                original_max_position_embeddings=m.rope_original_max_len, truncate=m.rope_truncate)
+    if m.rope_attention_factor is not None:
+      rope["attention_factor"] = m.rope_attention_factor
+    if m.rope_mscale and m.rope_mscale_all_dim:
+      rope.update(mscale=m.rope_mscale, mscale_all_dim=m.rope_mscale_all_dim)
+  return rope
 
 
 ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu_fast": "gelu", "gelu": "gelu_exact",

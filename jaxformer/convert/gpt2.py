@@ -1,6 +1,6 @@
 """GPT-2 (`GPT2LMHeadModel`): learned positions, pre-LN, fused qkv in Conv1D [in, out] layers, tied embeddings."""
 
-from jaxformer.convert.common import (activation, conv1d, first_eos, fused_qkv, linear, norm, same, unsupported,
+from jaxformer.convert.common import (PLAIN, activation, conv1d, first_eos, fused_qkv, linear, norm, same, unsupported,
                                       vector)
 from jaxformer.errors import UserError
 
@@ -8,7 +8,7 @@ MODEL_TYPE, NAMES, ARCH, MOE = "gpt2", "GPT-2", "decoder_only", False
 PEFT_FAN_IN_FAN_OUT = True  # Conv1D holds [in, out]: PEFT's fan_in_fan_out
 # The model fields an exact GPT-2 needs (export).
 WANTS = dict(arch="decoder_only", norm="layernorm", norm_position="pre", position="learned", use_bias=True,
-             logits_bias=False, scale_embeddings=False, moe_experts=0)
+             logits_bias=False, scale_embeddings=False, moe_experts=0, **PLAIN)
 
 
 def mismatches(m):

@@ -3,28 +3,33 @@ Llamas with q/k/v and FFN biases where `attention_bias` and `mlp_bias` agree."""
 
 import os
 
-from jaxformer.convert.common import attention, first_eos, linear, norm, rope, same, unsupported, vector
+from jaxformer.convert.common import (PLAIN, attention, first_eos, linear, norm, rope, rope_parameters, same,
+                                      unsupported, vector)
 
 MODEL_TYPE, NAMES, ARCH, MOE = "llama", "Llama 1/2/3/3.1", "decoder_only", False
 OTHER_FFN = "mixtral"  # a Llama given MoE layers exports as Mixtral
 SPM_EXPORT = True  # a sentencepiece tokenizer.model exports as LlamaTokenizer
 WANTS = dict(arch="decoder_only", norm="rmsnorm", norm_position="pre", position="rope", activation="swiglu",
-             logits_bias=False, scale_embeddings=False, moe_experts=0)
+             logits_bias=False, scale_embeddings=False, moe_experts=0, **PLAIN)
 
 
 def mismatches(m):
   """(field, wanted) pairs beyond WANTS that a Llama cannot express."""
-  return [("rope_scaling", "none, llama3 or yarn")] if m.rope_scaling == "ntk" else []
+  return [("rope_scaling", "none, linear, llama3 or yarn")] if m.rope_scaling == "ntk" else []
 
 
 def tensors(m, moe_ffn=None):
-  """LlamaForCausalLM's names; `moe_ffn(m, prefix, ours)` gives an MoE layer's (Mixtral's)."""
+  """LlamaForCausalLM's names; `moe_ffn(m, prefix, ours)` gives an MoE layer's (Mixtral's). The Llama
+  variants share them: q/k/v biases (Qwen2: model.qkv_bias), q/k norms (Qwen3: model.qk_norm)."""
   t = [same("model.embed_tokens.weight", ("embed", "embedding"))]
   for i in range(m.num_layers):
     h, ours = f"model.layers.{i}", ("decoder", f"layer_{i}")
     t += norm(f"{h}.input_layernorm", ours + ("self_attention_norm",), bias=False)
     t += attention(f"{h}.self_attn", ours + ("self_attention",), ("q_proj", "k_proj", "v_proj", "o_proj"),
-                    m.use_bias)
+                    m.use_bias, m.qkv_bias)
+    if m.qk_norm:
+      for hf_name, our_name in (("q_norm", "query_norm"), ("k_norm", "key_norm")):
+        t += norm(f"{h}.self_attn.{hf_name}", ours + ("self_attention", our_name), bias=False)
     t += norm(f"{h}.post_attention_layernorm", ours + ("ffn_norm",), bias=False)
     if moe_ffn is not None:
       t += moe_ffn(m, h, ours + ("moe",))
@@ -75,18 +80,7 @@ def tokenizer(source):
 def hf_config(cfg, hf):
   """Sets a Llama config.json's fields from cfg (in place)."""
   m = cfg.model
-  rope = {"rope_type": "default", "rope_theta": m.rope_theta}
-  if m.rope_scaling == "llama3":
-    rope.update(rope_type="llama3", factor=m.rope_scaling_factor, low_freq_factor=m.rope_low_freq_factor,
-                high_freq_factor=m.rope_high_freq_factor, original_max_position_embeddings=m.rope_original_max_len)
-  elif m.rope_scaling == "yarn":
-    rope.update(rope_type="yarn", factor=m.rope_scaling_factor, beta_fast=m.rope_beta_fast,
-                beta_slow=m.rope_beta_slow,
-                original_max_position_embeddings=m.rope_original_max_len, truncate=m.rope_truncate)
-    if m.rope_attention_factor is not None:
-      rope["attention_factor"] = m.rope_attention_factor
-    if m.rope_mscale and m.rope_mscale_all_dim:
-      rope.update(mscale=m.rope_mscale, mscale_all_dim=m.rope_mscale_all_dim)
+  rope = rope_parameters(m)
   hf.pop("rope_scaling", None)
   hf.pop("rope_theta", None)
   hf.update(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=m.vocab_size, hidden_size=m.d_model,

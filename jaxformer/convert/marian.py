@@ -1,13 +1,13 @@
 """Marian / OPUS-MT (`MarianMTModel`): a post-LN encoder-decoder with Marian's sinusoid layout and a logits bias."""
 
-from jaxformer.convert.common import (Tensor, activation, attention, first_eos, linear, norm, same, unsupported,
+from jaxformer.convert.common import (PLAIN, Tensor, activation, attention, first_eos, linear, norm, same, unsupported,
                                       vector)
 from jaxformer.errors import UserError
 
 MODEL_TYPE, NAMES, ARCH, MOE = "marian", "Marian / OPUS-MT", "encoder_decoder", False
 BOS_KEY = "decoder_start_token_id"  # Marian has no BOS: decoding starts from this id
 WANTS = dict(arch="encoder_decoder", norm="layernorm", norm_position="post", position="sinusoidal",
-             sinusoidal_layout="marian", use_bias=True, norm_eps=1e-5, logits_bias=True, moe_experts=0)
+             sinusoidal_layout="marian", use_bias=True, norm_eps=1e-5, logits_bias=True, moe_experts=0, **PLAIN)
 
 
 def mismatches(m):
