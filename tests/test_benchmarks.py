@@ -158,3 +158,33 @@ def test_decode_profile_sums_kernel_kinds_of_a_trace(tmp_path):
     json.dump({"traceEvents": events}, f)
   assert bench.kernel_times(str(tmp_path)) == {"ynn_fusion": pytest.approx(0.0015),
                                                "gather_bitcast_fusion": pytest.approx(0.00025)}
+
+
+def test_sliding_window_counts_the_key_blocks_the_kernel_visits():
+  """A 1k window over 16k tokens in 512-row blocks: 3 key blocks per query block (1 and 2 at the start)."""
+  bench = _load("sliding_window")
+  mean, most, blocks, rows = bench.key_blocks(16384, 1024)
+  assert (blocks, rows, most) == (32, 512, 3) and mean == pytest.approx((1 + 2 + 3 * 30) / 32)
+  assert bench.key_blocks(1024, 0)[:3] == (1.5, 2, 2)  # causal: the blocks up to the diagonal
+  assert bench.keys_per_query(1024, 0) == pytest.approx(512.5)
+  assert bench.keys_per_query(8, 4) == pytest.approx((1 + 2 + 3 + 4 * 5) / 8)
+  with pytest.raises(SystemExit, match="multiple"):
+    bench.configurations(types.SimpleNamespace(length=1000, short=300, rows=1, window=10))
+
+
+@pytest.mark.slow
+def test_sliding_window_smoke_run_on_cpu(tmp_path, capsys):
+  """`--fast`: the three train steps (window, full, short rows) at 2k tokens, the table and the JSON."""
+  import json  # pylint: disable=g-import-not-at-top
+  bench = _load("sliding_window")
+  out = tmp_path / "sliding_window.json"
+  bench.main(["--fast", "--out", str(out)])
+  text = capsys.readouterr().out
+  assert re.search(r"^1 x 2,048, window 256\s+[\d.]+", text, re.M), text
+  assert re.search(r"^8 x 256, full causal\s+[\d.]+", text, re.M), text
+  assert "per token: window / short = " in text, text
+  results = json.loads(out.read_text())["results"]
+  assert [r["name"] for r in results] == ["window", "full", "short"]
+  assert len({r["tokens_per_step"] for r in results}) == 1  # the same tokens per step in all three
+  assert all(r["memory"]["temp"] > 0 and r["step_s"] > 0 for r in results)
+  assert results[0]["key_blocks_mean"] < results[1]["key_blocks_mean"]  # the window skips key blocks

@@ -34,11 +34,103 @@ def _abstract_forward(cfg, length):
 
 @pytest.mark.parametrize("name, total", [
     ("wmt_base", 63_082_496), ("wmt_big", 214_245_376), ("gpt2_small", 124_439_808),
-    ("llama_7b", 6_738_415_616), ("llama3_8b", 8_030_261_248)])
+    ("llama_7b", 6_738_415_616), ("llama3_8b", 8_030_261_248),
+    # The open models below: sources in test_open_model_counts_by_closed_form.
+    ("qwen2_5_7b", 7_615_616_512), ("qwen3_8b", 8_190_735_360), ("mistral_7b", 7_241_732_096),
+    ("gemma2_9b", 9_241_705_984), ("gemma3_4b", 3_880_263_168), ("phi3_mini", 3_821_079_552)])
 def test_published_parameter_counts(name, total):
   counts = inspect.count_parameters(load_config(name))
   assert counts["total"] == total
   assert sum(v for k, v in counts.items() if k != "total") == total
+
+
+def _decoder_parameters(vocab, d, layers, heads, kv_heads, head_dim, d_ff, tied, qkv_bias=False, qk_norm=False,
+                        norms_per_layer=2):
+  """A gated-FFN, bias-free decoder-only LM's parameters, in closed form from its config.json numbers."""
+  q, kv = heads * head_dim, kv_heads * head_dim
+  attention = d * q + 2 * d * kv + q * d           # q, k, v, o projections
+  attention += (q + 2 * kv) if qkv_bias else 0     # Qwen2: biases on q, k, v only
+  attention += 2 * head_dim if qk_norm else 0      # one RMSNorm gain vector over a head's q, one over its k
+  ffn = 3 * d * d_ff                               # gate, up, down
+  layer = attention + ffn + norms_per_layer * d    # 2 pre-norms (+ 2 post-norms: Gemma 2/3)
+  return vocab * d + layers * layer + d + (0 if tied else vocab * d)  # embedding, layers, final norm, head
+
+
+# (recipe, config.json shape, published total). The shapes are the hub repos' config.json values (the recipes'
+# docstrings list them); the totals are the checkpoints' safetensors parameter counts (the Hub's metadata, as
+# public code quotes it), each also in keras-hub's preset metadata (keras_hub/src/models/*/..._presets.py):
+#   Qwen/Qwen2.5-7B 7,615,616,512: keras-hub qwen2.5_math_7b_en (Qwen2.5-Math-7B, the same shape); the Qwen2.5-7B
+#     model card rounds it to 7.61B, 6.53B without the two embedding tables.
+#   Qwen/Qwen3-8B 8,190,735,360: keras-hub qwen3_8b_en.
+#   mistralai/Mistral-7B-v0.1 7,241,732,096: keras-hub mistral_7b_en.
+#   google/gemma-2-9b 9,241,705,984: keras-hub gemma2_9b_en.
+#   google/gemma-3-4b-pt, text model, 3,880,263,168: its language_model (Gemma3TextModel); the checkpoint's published
+#     4,300,079,472 includes the vision tower: see test_gemma3_4b_text_count_against_the_multimodal_checkpoint.
+#   microsoft/Phi-3-mini-4k-instruct 3,821,079,552: keras-hub phi3_mini_4k_instruct_en.
+OPEN_MODELS = [
+    ("qwen2_5_7b", dict(vocab=152064, d=3584, layers=28, heads=28, kv_heads=4, head_dim=128, d_ff=18944, tied=False,
+                        qkv_bias=True), 7_615_616_512),
+    ("qwen3_8b", dict(vocab=151936, d=4096, layers=36, heads=32, kv_heads=8, head_dim=128, d_ff=12288, tied=False,
+                      qk_norm=True), 8_190_735_360),
+    ("mistral_7b", dict(vocab=32000, d=4096, layers=32, heads=32, kv_heads=8, head_dim=128, d_ff=14336, tied=False),
+     7_241_732_096),
+    ("gemma2_9b", dict(vocab=256000, d=3584, layers=42, heads=16, kv_heads=8, head_dim=256, d_ff=14336, tied=True,
+                       norms_per_layer=4), 9_241_705_984),
+    ("gemma3_4b", dict(vocab=262208, d=2560, layers=34, heads=8, kv_heads=4, head_dim=256, d_ff=10240, tied=True,
+                       qk_norm=True, norms_per_layer=4), 3_880_263_168),
+    ("phi3_mini", dict(vocab=32064, d=3072, layers=32, heads=32, kv_heads=32, head_dim=96, d_ff=8192, tied=False),
+     3_821_079_552),
+]
+
+
+@pytest.mark.parametrize("name, shape, published", OPEN_MODELS, ids=[n for n, _, _ in OPEN_MODELS])
+def test_open_model_counts_by_closed_form(name, shape, published):
+  cfg = load_config(name)
+  m = cfg.model
+  assert (m.vocab_size, m.d_model, m.num_layers, m.num_heads, m.kv_heads, m.dim_per_head, m.d_ff, m.tie_output) == \
+      tuple(shape[k] for k in ("vocab", "d", "layers", "heads", "kv_heads", "head_dim", "d_ff", "tied"))
+  assert (m.qkv_bias, m.qk_norm, m.post_norms) == (shape.get("qkv_bias", False), shape.get("qk_norm", False),
+                                                   shape.get("norms_per_layer", 2) == 4)
+  assert inspect.count_parameters(cfg)["total"] == _decoder_parameters(**shape) == published
+
+
+def test_gemma3_4b_text_count_against_the_multimodal_checkpoint():
+  """Gemma 3 4B's published 4,300,079,472 (google/gemma-3-4b-pt's safetensors; keras-hub gemma3_presets.py gives
+  it for medgemma_4b, the same shape) is the text model plus the SigLIP vision tower (416,866,032) and the multimodal projector
+  (2,950,272: a 1152 x 2560 projection and a 1152 norm), as transformers' module tree of
+  Gemma3ForConditionalGeneration lists them (language_model: Gemma3TextModel, 3,880,263,168). keras-hub's
+  text-only preset gemma3_4b_text, 3,880,099,328, has a vocabulary of 262,144 (MaxText's gemma3-4b.yml too) instead
+  of the checkpoint's 262,208: the same shape otherwise."""
+  shape = dict(OPEN_MODELS[4][1])
+  text = inspect.count_parameters(load_config("gemma3_4b"))["total"]
+  assert text == 3_880_263_168
+  projector = 1152 * 2560 + 1152
+  assert projector == 2_950_272
+  assert text + 416_866_032 + projector == 4_300_079_472
+  assert _decoder_parameters(**{**shape, "vocab": 262144}) == 3_880_099_328  # keras-hub gemma3_4b_text
+  assert 3_880_099_328 + 416_866_032 + projector == 4_299_915_632              # keras-hub gemma3_4b (vision + text)
+
+
+def test_open_model_layer_patterns():
+  """Which layers are local (sliding window) in each recipe: Mistral's and Phi-3's every one, Gemma 2's even
+  ones (HF layer_types: sliding, full, ...), Gemma 3's all but every sixth ((i + 1) % 6 == 0 is full)."""
+  models = {name: load_config(name).model for name, _, _ in OPEN_MODELS}
+  local = {name: [m.layer_is_local(i) for i in range(m.num_layers)] for name, m in models.items()}
+  assert all(local["mistral_7b"]) and all(local["phi3_mini"])
+  assert local["gemma2_9b"] == [i % 2 == 0 for i in range(42)]
+  assert local["gemma3_4b"] == [(i + 1) % 6 != 0 for i in range(34)] and sum(local["gemma3_4b"]) == 29
+  assert not any(local["qwen2_5_7b"]) and not any(local["qwen3_8b"])
+  windows = {name: m.sliding_window for name, m in models.items()}
+  assert windows == {"mistral_7b": 4096, "phi3_mini": 2047, "gemma2_9b": 4096, "gemma3_4b": 1024, "qwen2_5_7b": 0,
+                     "qwen3_8b": 0}
+
+
+@pytest.mark.parametrize("name, total", [(n, t) for n, _, t in OPEN_MODELS])
+def test_open_model_report(name, total):
+  """The CLI's report (parameters, FLOPs, KV cache, decode roofline) for each recipe, without a subprocess."""
+  text = inspect.report(load_config(name))
+  for part in (f"{total:,}", "FLOPs per token at sequence length 4,096", "KV cache (bfloat16)", "Decode roofline"):
+    assert part in text
 
 
 @pytest.mark.parametrize("name", TINY)

@@ -82,10 +82,16 @@ def hf_fields(m):
               num_key_value_heads=m.kv_heads, head_dim=m.dim_per_head, num_hidden_layers=m.num_layers,
               intermediate_size=m.d_ff, hidden_activation="gelu_pytorch_tanh", rms_norm_eps=m.norm_eps,
               attention_bias=False, max_position_embeddings=m.max_len, tie_word_embeddings=True,
-              query_pre_attn_scalar=m.query_pre_attn_scalar if m.query_pre_attn_scalar is not None else m.dim_per_head,
+              # an int in config.json (Gemma2Config validates its type); our field is a float
+              query_pre_attn_scalar=_number(m.query_pre_attn_scalar if m.query_pre_attn_scalar is not None
+                                            else m.dim_per_head),
               attn_logit_softcapping=m.attn_softcap or None, final_logit_softcapping=m.final_softcap or None,
               sliding_window=m.sliding_window or None, layer_types=layer_types(m), bos_token_id=m.bos_id,
               pad_token_id=m.pad_id)
+
+
+def _number(x):
+  return int(x) if float(x).is_integer() else x
 
 
 def hf_config(cfg, hf):
