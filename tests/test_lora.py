@@ -438,7 +438,8 @@ def _hf_tensors(directory, pattern="*.safetensors"):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,targets", [("gpt2", r"(query|value|wo)/kernel$"), ("llama", "")])
+@pytest.mark.parametrize("name,targets", [("gpt2", r"(query|value|wo)/kernel$"), ("llama", ""), ("phi3", ""),
+                                          ("gemma3", "")])
 def test_merged_and_peft_exports_agree(name, targets, tmp_path):
   """The PEFT adapter, applied in numpy as peft merges it (W + alpha / r B A, per HF module, with
   rank_pattern / alpha_pattern), gives the merged export's tensors; the base's other tensors are unchanged."""
@@ -476,7 +477,8 @@ def test_merged_and_peft_exports_agree(name, targets, tmp_path):
   for key, value in original.items():  # the rest: the base's, unchanged by the export
     if key not in changed:
       np.testing.assert_array_equal(merged[key], value, err_msg=key)
-  want = {"gpt2": 2, "llama": 7}[name] * cfg.model.num_layers  # gpt2: c_attn (query, value), mlp.c_proj
+  # gpt2: c_attn (query, value), mlp.c_proj; phi3: the fused qkv_proj and gate_up_proj, o_proj, down_proj
+  want = {"gpt2": 2, "llama": 7, "phi3": 4, "gemma3": 7}[name] * cfg.model.num_layers
   assert len(config["target_modules"]) == want
   with pytest.raises(UserError, match="not a LoRA run"):
     convert.to_peft(base, str(tmp_path / "nope"), **QUIET)
