@@ -209,11 +209,28 @@ def flops_per_token(cfg, seq_len, context=None, backend=None):
   p = matmul_parameters(m)
   per_key = 4 * m.num_heads * m.dim_per_head
   cross = m.arch == "encoder_decoder"
-  keys = m.num_layers * (seq_len + 1) / 2 + m.encoder_layers * seq_len + (m.num_layers * seq_len if cross else 0)
+  keys = _causal_keys(m, seq_len) + m.encoder_layers * seq_len + (m.num_layers * seq_len if cross else 0)
   forward = 2 * (p["encoder"] + p["decoder"] + p["output"]) + per_key * keys
-  decode = 2 * (p["decoder_step"] + p["output"]) + per_key * m.num_layers * context * (2 if cross else 1)
+  decode = 2 * (p["decoder_step"] + p["output"]) + per_key * (_cached_slots(m, context) + (
+      m.num_layers * context if cross else 0))
   recompute = per_key * keys / 2 if attention_kernel(m, seq_len, backend)[0] == "tiled" else 0.0
   return dict(train=3 * forward, forward=forward, decode=decode, train_executed=3 * forward + recompute)
+
+
+def _causal_keys(m, seq_len):
+  """Keys a query attends to on average, summed over the decoder's layers: (L + 1) / 2 in a global layer,
+  in a local one (model.sliding_window = w) the same for L <= w, else w - w (w - 1) / (2 L)."""
+  total = 0.0
+  for i in range(m.num_layers):
+    w = m.sliding_window if m.layer_is_local(i) else 0
+    total += (seq_len + 1) / 2 if not w or seq_len <= w else w - w * (w - 1) / (2 * seq_len)
+  return total
+
+
+def _cached_slots(m, context):
+  """KV-cache slots per sequence at `context` tokens, summed over the layers: a local layer's ring
+  holds min(window, context) (layers.Attention), a global one all `context`."""
+  return sum(min(m.sliding_window, context) if m.layer_is_local(i) else context for i in range(m.num_layers))
 
 
 def _itemsize(dtype):
@@ -224,12 +241,20 @@ def _itemsize(dtype):
 
 
 def kv_cache_bytes_per_token(cfg, dtype="bfloat16"):
-  """Bytes of KV cache per token per sequence: 2 x layers x kv_heads x head_dim x bytes(dtype).
+  """Bytes of KV cache per token per sequence while every layer still grows: 2 x layers x kv_heads x
+  head_dim x bytes(dtype) (local layers stop at their window: `kv_cache_bytes`).
 
   For an encoder-decoder this is the decoder's self-attention cache.
   """
   m = _model_cfg(cfg)
   return 2 * m.num_layers * m.kv_heads * m.dim_per_head * _itemsize(dtype)
+
+
+def kv_cache_bytes(cfg, context, dtype="bfloat16"):
+  """Bytes of KV cache of one sequence at `context` tokens: what `kv_cache_bytes_per_token` gives per
+  slot, with a local layer's ring of min(model.sliding_window, context) slots."""
+  m = _model_cfg(cfg)
+  return 2 * _cached_slots(m, context) * m.kv_heads * m.dim_per_head * _itemsize(dtype)
 
 
 def decode_roofline(cfg, dtype="bfloat16", batch=1, context=2048):
@@ -239,8 +264,7 @@ def decode_roofline(cfg, dtype="bfloat16", batch=1, context=2048):
   `context`, and does batch x decode FLOPs: time = max(bytes / bandwidth, FLOPs / peak).
   Returns {device: dict(seconds, bound="memory"|"compute")}.
   """
-  nbytes = (count_parameters(cfg)["total"] * _itemsize(dtype)
-            + kv_cache_bytes_per_token(cfg, dtype) * context * batch)
+  nbytes = count_parameters(cfg)["total"] * _itemsize(dtype) + kv_cache_bytes(cfg, context, dtype) * batch
   flops = batch * flops_per_token(cfg, context, context)["decode"]
   result = {}
   for name, device in DEVICES.items():
@@ -478,13 +502,17 @@ def report(cfg, dtype="bfloat16", batch=1, contexts=(4096, 32768), seq_len=None)
             f"  train run     {_si(flops['train_executed'], 'FLOP')} with the {kernel} attention kernel ({why})",
             f"  decode        {_si(flops['decode'], 'FLOP')} at context {seq_len:,}",
             f"  (causal self-attention counted honestly: {(seq_len + 1) / 2:,} keys per query on average,"
-            f" (L+1)/2{'; source length = target length' if m.arch == 'encoder_decoder' else ''})"]
+            f" (L+1)/2{'; source length = target length' if m.arch == 'encoder_decoder' else ''}"
+            f"{f'; local layers: at most their {m.sliding_window:,}-token window' if m.sliding_window else ''})"]
 
   per_token = kv_cache_bytes_per_token(cfg, dtype)
   what = "decoder self-attention, " if m.arch == "encoder_decoder" else ""
-  lines += ["", f"KV cache ({what}{dtype}): {per_token:,} bytes/token"]
+  local = sum(m.layer_is_local(i) for i in range(m.num_layers))
+  ring = (f"; {local} local layer(s) keep a ring of their {m.sliding_window:,}-token window, so past it"
+          f" {per_token * (m.num_layers - local) // m.num_layers:,} bytes/token") if local else ""
+  lines += ["", f"KV cache ({what}{dtype}): {per_token:,} bytes/token{ring}"]
   for c in contexts:
-    lines.append(f"  context {c:>7,} x batch {batch}: {per_token * c * batch / 2**30:8.2f} GiB")
+    lines.append(f"  context {c:>7,} x batch {batch}: {kv_cache_bytes(cfg, c, dtype) * batch / 2**30:8.2f} GiB")
 
   lines += ["", f"Decode roofline: batch {batch}, context {seq_len:,}, weights and KV cache in {dtype}"
             f" (one token per sequence per step; peak = dense bf16)",

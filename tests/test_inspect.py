@@ -352,3 +352,22 @@ def test_lora_bfloat16_base_halves_the_base_and_fits_llama3_8b_on_24_gb():
   plans = {d: inspect.memory_plan(load_config("llama3_8b", big + [f"train.lora_base_dtype={d}"]), "data=1", 1, (2048,))
            for d in ("float32", "bfloat16")}
   assert plans["bfloat16"]["total"] <= 24e9 < plans["float32"]["total"]
+
+
+@pytest.mark.parametrize("context", [5, 12, 40])
+def test_kv_cache_bytes_and_attended_keys_count_local_layers_by_their_window(context):
+  """Against brute force on a tiny model with a 12-token window on 3 of its 4 layers: the KV cache
+  bytes equal the decode cache's own key/value arrays (local layers' rings hold min(window, context)),
+  and the keys per query in the FLOPs equal the count of visible (query, key) pairs of the masks."""
+  import numpy as np
+  from jaxformer import decode, model as model_lib
+  cfg = load_config("llama_tiny", ["model.num_layers=4", "model.sliding_window=12",
+                                   "model.attention_pattern=local,local,global,local"])
+  m = cfg.model
+  cache = decode._cache_shapes(model_lib.DecoderOnly(m), 1, context, 1)
+  arrays = [x for p, x in jax.tree_util.tree_leaves_with_path(cache) if p[-1].key in ("cached_key", "cached_value")]
+  assert inspect.kv_cache_bytes(cfg, context, "float32") == sum(x.size * 4 for x in arrays)
+  q, k = np.arange(context)[:, None], np.arange(context)[None]
+  visible = sum(((k <= q) & ((q - k < m.sliding_window) if m.layer_is_local(i) else True)).sum()
+                for i in range(m.num_layers))
+  assert inspect._causal_keys(m, context) == pytest.approx(visible / context)
