@@ -182,7 +182,7 @@ def test_sliding_window_smoke_run_on_cpu(tmp_path, capsys):
   text = capsys.readouterr().out
   assert re.search(r"^1 x 2,048, window 256\s+[\d.]+", text, re.M), text
   assert re.search(r"^8 x 256, full causal\s+[\d.]+", text, re.M), text
-  assert "per token: window / short = " in text, text
+  assert "window / short, per token: " in text, text
   results = json.loads(out.read_text())["results"]
   assert [r["name"] for r in results] == ["window", "full", "short"]
   assert len({r["tokens_per_step"] for r in results}) == 1  # the same tokens per step in all three
