@@ -29,6 +29,7 @@ What the installed JAX (0.10.2) was read to say:
   through to cuDNN's fmha scale. Neither file has any logit soft-capping.
 """
 
+import concurrent.futures
 import functools
 
 import jax
@@ -148,11 +149,16 @@ def _splash_kernel(heads, q_len, kv_len, causal, mqa, interpret, window=0, softc
   mask = sa.MultiHeadMask([splash_mask(q_len, kv_len, causal, window)] * heads)
   make = sa.make_splash_mqa if mqa else sa.make_splash_mha
   cap = {"attn_logits_soft_cap": float(softcap)} if softcap else {}
-  # Its block tables become arrays: concrete ones, so the cached kernel holds no tracer of
-  # the trace that first built it.
-  with jax.ensure_compile_time_eval():
+  # Its block tables become arrays: concrete ones, so the cached kernel holds no tracer of the trace
+  # that first built it. Built in a thread of its own: JAX's trace state and the mesh context are
+  # per thread, so the tables land on the host's default device even while a step is traced for a
+  # TPU that is only a compile target (benchmarks/aot_compile.py), where staging them under the
+  # step's mesh would need to run a program on that TPU.
+  def build():
     return make(mask, block_sizes=splash_block_sizes(q_len, kv_len), head_shards=1, q_seq_shards=1,
                 interpret=interpret, **cap)
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    return pool.submit(build).result()
 
 
 def splash_attention(q, k, v, q_segment=None, kv_segment=None, *, causal, interpret=False, window=0, softcap=0.0,
