@@ -12,6 +12,7 @@ which `tests/test_chat.py` checks against transformers on the fixture templates)
 """
 
 import contextvars
+import functools
 import hashlib
 import json
 import os
@@ -321,12 +322,18 @@ def _encode_text(tokenizer, text):
   if not controls:
     return [list(tokenizer.encode(text))]
   parts = []
-  for chunk in re.split("(" + "|".join(re.escape(c) for c in sorted(controls, key=len, reverse=True)) + ")", text):
+  for chunk in _control_splitter(tuple(controls)).split(text):
     if chunk in controls:
       parts.append([controls[chunk]])
     elif chunk:
       parts.append(list(tokenizer.encode(chunk)))
   return parts
+
+
+@functools.lru_cache(maxsize=8)
+def _control_splitter(pieces):
+  """A regex that splits text around any of `pieces` (longest first) and keeps them."""
+  return re.compile("(" + "|".join(re.escape(c) for c in sorted(pieces, key=len, reverse=True)) + ")")
 
 
 def preference_pieces(template, record, eos_id, where=""):

@@ -1,7 +1,9 @@
-"""Shared fixtures: a JAX compilation cache and one short tiny_encdec training run."""
+"""Shared fixtures: a JAX compilation cache, one short tiny_encdec training run, the HF fixtures converted."""
 
 import functools
+import json
 import os
+import pathlib
 import subprocess
 import sys
 import tempfile
@@ -19,6 +21,7 @@ if os.environ.get("JAXFORMER_TEST_CODEGEN") != "default" and "xla_backend_optimi
   os.environ["XLA_FLAGS"] = f"{XLA_FLAGS_GIVEN} {FAST_XLA}".strip()
 
 import jax  # noqa: E402  (after XLA_FLAGS: read when the CPU backend starts)
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from jaxformer import config as config_lib  # noqa: E402
@@ -68,6 +71,74 @@ def tiny_run(tmp_path_factory):
   cfg = tiny_config()
   result = train.train_and_evaluate(cfg, workdir, log=lambda *a: None)
   return workdir, cfg, result
+
+
+# ----------------------------------------------------------------------------- Hugging Face fixtures
+
+HF_FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
+
+
+def hf_expected(name):
+  """(expected.npz, expected.json) of the HF fixture `name`: what transformers computed for it."""
+  return np.load(HF_FIXTURES / name / "expected.npz"), json.loads((HF_FIXTURES / name / "expected.json").read_text())
+
+
+def hf_tensors(directory):
+  """{name: array} of every *.safetensors file in an HF folder."""
+  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
+  out = {}
+  for path in sorted(pathlib.Path(directory).glob("*.safetensors")):
+    out.update(load_file(str(path)))
+  return out
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+  """name -> (workdir, cfg, model, params, tokenizer): the HF fixture `name` converted once per module."""
+  from jaxformer import convert, evaluate  # pylint: disable=g-import-not-at-top
+  cache = {}
+  quiet = lambda *a, **k: None
+
+  def get(name):
+    if name not in cache:
+      workdir = str(tmp_path_factory.mktemp(name) / "w")
+      convert.from_hf(str(HF_FIXTURES / name), workdir, log=quiet)
+      cfg, model, params, tok, _ = evaluate.load_run(workdir, log=quiet)
+      cache[name] = workdir, cfg, model, params, tok
+    return cache[name]
+  return get
+
+
+# The decoder features of issue 36 and the value that turns each off (tests/test_model_features.py,
+# tests/test_convert_families.py).
+FEATURES_OFF = {"qkv_bias": False, "qk_norm": False, "norm_unit_offset": False, "post_norms": False,
+                "sliding_window": 0, "attn_softcap": 0.0, "final_softcap": 0.0, "query_pre_attn_scalar": None,
+                "rope_local_theta": None, "activation": "swiglu", "scale_embeddings": False, "rope_scaling": "none"}
+
+
+def feature_off_changes(field):
+  """The ModelConfig changes that turn one feature off (no window: no pattern, no local RoPE base either)."""
+  if field == "sliding_window":
+    return {"sliding_window": 0, "attention_pattern": "", "rope_local_theta": None}
+  return {field: FEATURES_OFF[field]}
+
+
+def feature_off(m, params, field):
+  """(ModelConfig, params) of model config `m` with one feature off, the weights it no longer has dropped."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  params = jax.tree.map(lambda x: x, params)  # a new dict tree, same arrays
+  for i in range(m.num_layers):
+    layer = params["decoder"][f"layer_{i}"]
+    if field == "qkv_bias":
+      for n in ("query", "key", "value"):
+        layer["self_attention"][n].pop("bias")
+    elif field == "qk_norm":
+      for n in ("query_norm", "key_norm"):
+        layer["self_attention"].pop(n)
+    elif field == "post_norms":
+      for n in ("self_attention_post_norm", "ffn_post_norm"):
+        layer.pop(n)
+  return dataclasses.replace(m, **feature_off_changes(field)), params
 
 
 def window_by_window_nll(model, params, ids, block):

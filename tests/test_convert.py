@@ -5,7 +5,6 @@ non-trivial random weights, saved by transformers with its logits, hidden states
 search outputs and tokenizer round trips; torch and transformers are not needed here.
 """
 
-import glob
 import json
 import os
 import pathlib
@@ -19,7 +18,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from etils import epath
-from safetensors import safe_open
 
 from jaxformer import checkpoint as checkpoint_lib
 from jaxformer import config as config_lib
@@ -34,38 +32,15 @@ from jaxformer import tasks
 from jaxformer import train
 from jaxformer.errors import UserError
 
-FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
+from conftest import HF_FIXTURES, hf_expected, hf_tensors
+
+FIXTURES = HF_FIXTURES
 LMS = ["gpt2", "llama", "llama3", "llama_yarn"]
 ALL = LMS + ["marian"]
 QUIET = {"log": lambda *a, **k: None}
 
 
-def expected(name):
-  return np.load(FIXTURES / name / "expected.npz"), json.loads((FIXTURES / name / "expected.json").read_text())
-
-
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-  """name -> (workdir, cfg, model, params, tokenizer), each fixture converted once per module."""
-  cache = {}
-
-  def get(name):
-    if name not in cache:
-      workdir = str(tmp_path_factory.mktemp(name) / "w")
-      convert.from_hf(str(FIXTURES / name), workdir, **QUIET)
-      cfg, model, params, tok, _ = evaluate.load_run(workdir, **QUIET)
-      cache[name] = workdir, cfg, model, params, tok
-    return cache[name]
-  return get
-
-
-def hf_tensors(directory):
-  out = {}
-  for path in glob.glob(os.path.join(directory, "*.safetensors")):
-    with safe_open(path, framework="np") as f:
-      for key in f.keys():
-        out[key] = f.get_tensor(key)
-  return out
+expected = hf_expected
 
 
 # ----------------------------------------------------------------------------- numerics

@@ -19,33 +19,16 @@ from jaxformer import checkpoint as checkpoint_lib
 from jaxformer import config as config_lib
 from jaxformer import convert
 from jaxformer import decode
-from jaxformer import evaluate
 from jaxformer import model as model_lib
 from jaxformer import tasks
 from jaxformer.errors import UserError
 
-FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
+from conftest import HF_FIXTURES, feature_off, hf_expected, hf_tensors
+
+FIXTURES = HF_FIXTURES
 NAMES = ["qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3"]
 QUIET = {"log": lambda *a, **k: None}
-
-
-def expected(name):
-  return np.load(FIXTURES / name / "expected.npz"), json.loads((FIXTURES / name / "expected.json").read_text())
-
-
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-  """name -> (workdir, cfg, model, params, tokenizer), each fixture converted once per module."""
-  cache = {}
-
-  def get(name):
-    if name not in cache:
-      workdir = str(tmp_path_factory.mktemp(name) / "w")
-      convert.from_hf(str(FIXTURES / name), workdir, **QUIET)
-      cfg, model, params, tok, _ = evaluate.load_run(workdir, **QUIET)
-      cache[name] = workdir, cfg, model, params, tok
-    return cache[name]
-  return get
+expected = hf_expected
 
 
 # What each fixture must turn on (the family's features, read from its config.json).
@@ -105,30 +88,6 @@ def test_greedy_generation_past_the_window_matches_transformers(converted, name,
   np.testing.assert_array_equal(np.asarray(got), meta["greedy"])
 
 
-def _feature_off(cfg, params, field):
-  """(config, params) with one feature switched off, the weights it does not use dropped."""
-  m = cfg.model
-  off = {"qkv_bias": False, "qk_norm": False, "norm_unit_offset": False, "post_norms": False,
-         "attn_softcap": 0.0, "final_softcap": 0.0, "query_pre_attn_scalar": None, "rope_local_theta": None,
-         "scale_embeddings": False, "rope_scaling": "none", "activation": "swiglu"}
-  changes = {"sliding_window": 0, "attention_pattern": "", "rope_local_theta": None} if field == "sliding_window" \
-      else {field: off[field]}
-  params = jax.tree.map(lambda x: x, params)
-  drop = {"qkv_bias": [("query", "bias"), ("key", "bias"), ("value", "bias")],
-          "qk_norm": [("query_norm",), ("key_norm",)]}.get(field, [])
-  for i in range(m.num_layers):
-    layer = params["decoder"][f"layer_{i}"]
-    for path in drop:
-      node = layer["self_attention"]
-      for k in path[:-1]:
-        node = node[k]
-      node.pop(path[-1])
-    if field == "post_norms":
-      layer.pop("self_attention_post_norm")
-      layer.pop("ffn_post_norm")
-  return dataclasses.replace(m, **changes), params
-
-
 @pytest.mark.parametrize("name, field", [
     ("qwen2", "qkv_bias"), ("qwen3", "qk_norm"), ("mistral", "sliding_window"), ("phi3", "sliding_window"),
     *[("gemma2", f) for f in ("activation", "norm_unit_offset", "post_norms", "scale_embeddings", "attn_softcap",
@@ -140,7 +99,7 @@ def test_every_feature_of_a_family_moves_its_logits(converted, name, field):
   match above exercises it); transformers' own ablations moved them too (expected.json)."""
   _, cfg, model, params, _ = converted(name)
   arrays, meta = expected(name)
-  m, kept = _feature_off(cfg, params, field)
+  m, kept = feature_off(cfg.model, params, field)
   diff = np.abs(np.asarray(model_lib.DecoderOnly(m).apply({"params": kept}, jnp.asarray(arrays["inputs"])))
                 - arrays["logits"]).max()
   assert diff > 0.1, f"{name}: {field} off moves the logits by {diff:.3g} only"
@@ -190,7 +149,7 @@ def test_export_writes_the_original_tensors_and_config_and_reimports_bitwise(con
   workdir, cfg, _, params, _ = converted(name)
   out = tmp_path / "hf"
   convert.to_hf(workdir, str(out), **QUIET)
-  original, exported = _tensors(FIXTURES / name), _tensors(out)
+  original, exported = hf_tensors(FIXTURES / name), hf_tensors(out)
   assert sorted(exported) == sorted(original)
   for key, value in original.items():
     assert exported[key].dtype == value.dtype and np.array_equal(exported[key], value), key
@@ -207,15 +166,6 @@ def test_export_writes_the_original_tensors_and_config_and_reimports_bitwise(con
     reloaded, _ = ckpt.restore_params(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params))
   assert json.loads((pathlib.Path(again) / "config.json").read_text())["model"] == config_lib.to_dict(cfg)["model"]
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), reloaded, params)
-
-
-def _tensors(directory):
-  from safetensors import safe_open
-  out = {}
-  for path in sorted(pathlib.Path(directory).glob("*.safetensors")):
-    with safe_open(str(path), framework="np") as f:
-      out.update({k: f.get_tensor(k) for k in f.keys()})
-  return out
 
 
 @pytest.mark.parametrize("recipe, family", [

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import save_file
 
 from jaxformer import checkpoint as checkpoint_lib
 from jaxformer import config as config_lib
@@ -25,6 +25,8 @@ from jaxformer import evaluate
 from jaxformer import moe
 from jaxformer import train
 from jaxformer.errors import UserError
+
+from conftest import hf_tensors
 from test_convert import edited_copy
 
 FIXTURE = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf" / "mixtral"
@@ -88,18 +90,11 @@ def test_greedy_generation_with_the_kv_cache_matches_transformers(mixtral):
   np.testing.assert_array_equal(np.asarray(got), meta["greedy"])
 
 
-def _hf_tensors(directory):
-  out = {}
-  for path in sorted(pathlib.Path(directory).glob("*.safetensors")):
-    out.update(load_file(str(path)))
-  return out
-
-
 def test_export_writes_the_hub_layout_and_reimports_bitwise(mixtral, tmp_path):
   workdir, cfg, _, params, _, _, _, _ = mixtral
   out = tmp_path / "hf"
   convert.to_hf(workdir, str(out), **QUIET)
-  original, exported = _hf_tensors(FIXTURE), _hf_tensors(out)
+  original, exported = hf_tensors(FIXTURE), hf_tensors(out)
   assert sorted(exported) == sorted(original)
   assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in exported
   for key, value in original.items():
@@ -147,7 +142,7 @@ def test_mixtral_fields_and_layouts_we_do_not_support_are_one_line_errors(tmp_pa
     _one_line_error(capsys, pattern, "--from-hf", _edited(tmp_path, name, edit), "--workdir", w)
   # transformers' in-memory names (experts fused into gate_up_proj / down_proj), one file.
   fused = pathlib.Path(_edited(tmp_path, "fused", lambda c: None))
-  tensors = _hf_tensors(fused)
+  tensors = hf_tensors(fused)
   for f in list(fused.glob("model*.safetensors*")):
     f.unlink()
   w1 = [tensors.pop(f"model.layers.0.block_sparse_moe.experts.{e}.w1.weight") for e in range(4)]
@@ -205,7 +200,7 @@ def test_a_lora_run_on_the_experts_exports_merged_and_refuses_peft_in_one_line(m
   run = str(tmp_path / "run")
   train.train_and_evaluate(cfg, run, **QUIET)
   convert.to_hf(run, str(tmp_path / "merged"), **QUIET)
-  original, merged = _hf_tensors(FIXTURE), _hf_tensors(tmp_path / "merged")
+  original, merged = hf_tensors(FIXTURE), hf_tensors(tmp_path / "merged")
   for w in ("w1", "w2", "w3"):
     key = f"model.layers.1.block_sparse_moe.experts.3.{w}.weight"
     assert not np.array_equal(merged[key], original[key]), key  # the expert's adapter is in the export

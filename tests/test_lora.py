@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from safetensors import safe_open
 
 from jaxformer import checkpoint as checkpoint_lib
 from jaxformer import config as config_lib
@@ -21,6 +20,8 @@ from jaxformer import lora
 from jaxformer import model as model_lib
 from jaxformer import train
 from jaxformer.errors import UserError
+
+from conftest import hf_tensors
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
 QUIET = {"log": lambda *a, **k: None}
@@ -429,14 +430,6 @@ def test_lora_steps_with_scan_layers_and_remat_equal_the_unrolled_ones():
   np.testing.assert_allclose(runs[1], runs[0], rtol=1e-5)
 
 
-def _hf_tensors(directory, pattern="*.safetensors"):
-  out = {}
-  for path in glob.glob(os.path.join(directory, pattern)):
-    with safe_open(path, framework="np") as f:
-      out.update({k: f.get_tensor(k) for k in f.keys()})
-  return out
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name,targets", [("gpt2", r"(query|value|wo)/kernel$"), ("llama", ""), ("phi3", "")])
 def test_merged_and_peft_exports_agree(name, targets, tmp_path):
@@ -455,8 +448,8 @@ def test_merged_and_peft_exports_agree(name, targets, tmp_path):
   train.train_and_evaluate(cfg, run, **QUIET)
   convert.to_hf(run, str(tmp_path / "merged"), **QUIET)
   convert.to_peft(run, str(tmp_path / "peft"), **QUIET)
-  original, merged = _hf_tensors(FIXTURES / name), _hf_tensors(tmp_path / "merged")
-  adapter = _hf_tensors(tmp_path / "peft")
+  original, merged = hf_tensors(FIXTURES / name), hf_tensors(tmp_path / "merged")
+  adapter = hf_tensors(tmp_path / "peft")
   config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
   assert config["peft_type"] == "LORA" and config["r"] == 2 and config["fan_in_fan_out"] == (name == "gpt2")
   changed = set()

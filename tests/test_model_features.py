@@ -22,6 +22,8 @@ from jaxformer import model as model_lib
 from jaxformer.config import ModelConfig, load_config
 from jaxformer.errors import UserError
 
+from conftest import FEATURES_OFF, feature_off, feature_off_changes
+
 # Every feature on, small enough for numpy; init_std large so each one moves the logits.
 ALL = dict(arch="decoder_only", vocab_size=61, d_model=32, num_heads=4, num_kv_heads=2, head_dim=12, num_layers=4,
            d_ff=40, activation="geglu", norm="rmsnorm", norm_position="pre", norm_eps=1e-6, position="rope",
@@ -29,10 +31,7 @@ ALL = dict(arch="decoder_only", vocab_size=61, d_model=32, num_heads=4, num_kv_h
            init_std=0.25, qkv_bias=True, qk_norm=True, norm_unit_offset=True, post_norms=True, sliding_window=5,
            attention_pattern="local,local,global", attn_softcap=2.0, final_softcap=3.0, query_pre_attn_scalar=20.0,
            rope_theta=1000.0, rope_local_theta=50.0, rope_scaling="linear", rope_scaling_factor=2.0)
-# Each feature and the setting that turns it off.
-OFF = {"qkv_bias": False, "qk_norm": False, "norm_unit_offset": False, "post_norms": False, "sliding_window": 0,
-       "attn_softcap": 0.0, "final_softcap": 0.0, "query_pre_attn_scalar": None, "rope_local_theta": None,
-       "activation": "swiglu", "scale_embeddings": False, "rope_scaling": "none"}
+OFF = FEATURES_OFF
 
 
 def _randomize(params, seed, unit_offset):
@@ -145,10 +144,7 @@ def np_decoder(cfg, params, ids):
 @pytest.mark.parametrize("off", [None] + sorted(OFF))
 def test_decoder_matches_numpy_with_every_feature_and_each_one_off(off):
   """Logits within 1e-4 of the numpy decoder with all features, and with each turned off."""
-  changes = {} if off is None else {off: OFF[off]}
-  if off == "sliding_window":
-    changes.update(attention_pattern="", rope_local_theta=None)
-  cfg, model, params, ids = build(**changes)
+  cfg, model, params, ids = build(**({} if off is None else feature_off_changes(off)))
   got = np.asarray(model.apply({"params": params}, ids))
   want = np_decoder(cfg, params, ids)
   np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
@@ -159,23 +155,8 @@ def test_every_feature_moves_the_logits(feature):
   """Turning one feature off (same weights where they still exist) changes the logits by more than 0.1:
   the reference test above would catch a feature that silently did nothing."""
   cfg, model, params, ids = build()
-  changes = {feature: OFF[feature]}
-  if feature == "sliding_window":
-    changes.update(attention_pattern="", rope_local_theta=None)
-  off = model_lib.DecoderOnly(dataclasses.replace(cfg, **changes))
-  kept = jax.tree_util.tree_map(lambda x: x, params)
-  if feature == "qkv_bias":
-    for i in range(cfg.num_layers):
-      for n in ("query", "key", "value"):
-        kept["decoder"][f"layer_{i}"]["self_attention"][n].pop("bias")
-  elif feature == "qk_norm":
-    for i in range(cfg.num_layers):
-      for n in ("query_norm", "key_norm"):
-        kept["decoder"][f"layer_{i}"]["self_attention"].pop(n)
-  elif feature == "post_norms":
-    for i in range(cfg.num_layers):
-      for n in ("self_attention_post_norm", "ffn_post_norm"):
-        kept["decoder"][f"layer_{i}"].pop(n)
+  m, kept = feature_off(cfg, params, feature)
+  off = model_lib.DecoderOnly(m)
   diff = np.abs(np.asarray(model.apply({"params": params}, ids)) - np.asarray(off.apply({"params": kept}, ids)))
   assert diff.max() > 0.1, f"{feature}: logits moved by {diff.max():.3g} only"
 

@@ -3,8 +3,8 @@ sqrt(d_model) and tied, GeGLU, query_pre_attn_scalar, tanh soft-capping of atten
 local (sliding-window) layers alternating with global ones."""
 
 from jaxformer.convert import llama
-from jaxformer.convert.common import (PLAIN, attention, first_eos, linear, norm, rope, rope_parameters, same,
-                                      unsupported, windows)
+from jaxformer.convert.common import (PLAIN, attention, first_eos, layer_types, linear, norm, rope, rope_parameters,
+                                      same, unsupported, windows)
 
 MODEL_TYPE, NAMES, ARCH, MOE = "gemma2", "Gemma 2", "decoder_only", False
 WANTS = {**{k: v for k, v in llama.WANTS.items() if k not in PLAIN}, "activation": "geglu", "scale_embeddings": True,
@@ -77,7 +77,6 @@ def config(hf, gen):
 
 def hf_fields(m):
   """The config.json fields Gemma 2 and 3 share, from the model config."""
-  from jaxformer.convert.common import layer_types
   return dict(vocab_size=m.vocab_size, hidden_size=m.d_model, num_attention_heads=m.num_heads,
               num_key_value_heads=m.kv_heads, head_dim=m.dim_per_head, num_hidden_layers=m.num_layers,
               intermediate_size=m.d_ff, hidden_activation="gelu_pytorch_tanh", rms_norm_eps=m.norm_eps,
