@@ -201,6 +201,11 @@ class TrainConfig:
   max_minutes: float = 0.0          # stop (with a checkpoint) after this much training time; 0 = no limit
   sample_every_eval: bool = True    # lm: print a sample at eval time
   eval_bleu_sentences: int = 0      # translation: greedy BLEU on this many dev sentences at each eval
+  eval_harness_tasks: str = ""      # lm: lm-evaluation-harness tasks (comma-separated) run at eval steps (jaxformer.harness)
+  eval_harness_every: int = 0       # steps between harness runs, a multiple of eval_every; 0 = every eval
+  eval_harness_limit: int = 0       # documents per harness task; 0 = all
+  eval_harness_fewshot: int = -1    # few-shot examples; -1 = each task's own
+  eval_harness_include_path: str = ""  # a folder of task YAML files of your own (local data files)
   final_eval_split: str = ""        # translation: beam-search BLEU on this split when training ends
   objective: str = "lm"             # lm (next-token loss, masked for SFT) | dpo (data.chat_path of preference pairs)
   dpo_beta: float = 0.1             # DPO's beta (Rafailov et al. 2023), applied once to the log-ratio margin
@@ -526,6 +531,9 @@ _RANGES = {
               ("checkpoint_every", 1, None, "must be at least 1 (steps)"), ("keep_checkpoints", 1, None, _POSITIVE),
               ("seed", 0, None, _COUNT), ("steps_per_call", 1, None, _POSITIVE),
               ("max_minutes", 0.0, None, "must be 0 (no limit) or more"), ("eval_bleu_sentences", 0, None, _COUNT),
+              ("eval_harness_every", 0, None, "must be 0 (every eval) or a multiple of train.eval_every"),
+              ("eval_harness_limit", 0, None, "must be 0 (all documents) or more"),
+              ("eval_harness_fewshot", -1, None, "must be -1 (each task's own) or a count"),
               ("host_timeout_s", 2, None, "must be at least 2 (seconds: the peer watch beats once a second)"),
               ("dpo_beta", _TINY, None, "must be positive (DPO's beta scales the log-ratio margin)"),
               ("lora_rank", 0, None, "must be 0 (off) or a positive rank"),
@@ -554,6 +562,13 @@ def _validate_ranges(cfg):
   if cfg.optim.schedule == "rsqrt" and cfg.optim.warmup_steps < 1:
     raise UserError(f"optim.warmup_steps={cfg.optim.warmup_steps} must be at least 1 with optim.schedule=rsqrt "
                     "(it scales by warmup_steps^-1.5)")
+  t = cfg.train
+  if t.eval_harness_every and t.eval_harness_every % t.eval_every:
+    raise UserError(f"train.eval_harness_every={t.eval_harness_every} must be a multiple of "
+                    f"train.eval_every={t.eval_every} (harness tasks run at eval steps)")
+  if t.eval_harness_tasks and (cfg.data.task != "lm" or cfg.model.arch != "decoder_only" or t.objective == "dpo"):
+    raise UserError(f"train.eval_harness_tasks={t.eval_harness_tasks!r} runs language-model tasks: it needs "
+                    "data.task=lm with a decoder-only model and train.objective=lm")
   m = cfg.model
   if m.rope_scaling == "llama3" and not m.rope_high_freq_factor > m.rope_low_freq_factor:
     raise UserError(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must be larger than "

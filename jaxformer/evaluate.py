@@ -3,10 +3,12 @@
     python eval.py --workdir DIR [--split test] [--average-last K] [--beam 4] [--alpha 0.6] [decode.*=... data.*=...]
     python eval.py --hyp FILE --ref FILE           # score any system output
     python eval.py --workdir DIR --text FILE       # LM perplexity of a text file
+    python eval.py --workdir DIR --text FILE --rolling   # ... in lm-eval's rolling windows
     python eval.py --workdir SFT_DIR               # a fine-tuned run: masked NLL of its held-out chats
 """
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -234,7 +236,7 @@ def evaluate_translation(cfg, model, params, tokenizer, split, out_path=None, be
   return scores, hyps, sources, refs
 
 
-def perplexity(model, params, tokenizer, text, block_size, batch_size=8):
+def perplexity(model, params, tokenizer, text, block_size, batch_size=8, prefix_ids=(), full_last_window=False):
   """NLL of a text under a decoder-only model, in non-overlapping windows of block_size.
 
   `text`: a str, or an iterable of consecutive str blocks (e.g. `sources.document_blocks`, cut at
@@ -243,6 +245,11 @@ def perplexity(model, params, tokenizer, text, block_size, batch_size=8):
   (window w is ids[w * block_size : (w + 1) * block_size + 1]), so a text given in one block
   scores exactly as before; blocks differ from the whole text only where a tokenizer's pieces
   would cross a block boundary (never for char and byte tokenizers).
+
+  prefix_ids: ids put before the text's in the stream (none by default: the first token is not scored).
+  full_last_window: the last, shorter window reads the block_size tokens that end with it and scores
+  only its own (by default it starts afresh). With the prefix token first and this, the windows are
+  lm-evaluation-harness's `loglikelihood_rolling` ones (`jaxformer.harness`; eval.py --rolling).
 
   Returns per-token NLL and perplexity, plus the same total normalised per character
   and per whitespace word (so models with different tokenizers compare) and bits/char.
@@ -256,17 +263,22 @@ def perplexity(model, params, tokenizer, text, block_size, batch_size=8):
 
   rows_ids = batch_size * block_size  # the predicted tokens of one full batch
   total, n_pred, n_chars, n_words = 0.0, 0, 0, 0
-  pending = np.zeros(0, np.int32)  # ids not yet scored, the last scored one first
+  pending = np.asarray(prefix_ids, np.int32).reshape(-1)  # ids not yet scored, the last scored one first
+  before = np.zeros(0, np.int32)  # up to block_size ids before pending[0] (full_last_window's context)
 
-  def score(ids):
-    """NLL sum of the windows of `ids` [1 + predicted] as one batch of batch_size rows."""
+  def score(ids, context=()):
+    """NLL sum of the windows of `ids` [1 + predicted] as one batch of batch_size rows; `context`: ids
+    before them, which a last window shorter than block_size reads when full_last_window is set."""
     inputs = np.zeros((batch_size, block_size), np.int32)
     targets = np.zeros((batch_size, block_size), np.int32)
     weights = np.zeros((batch_size, block_size), np.float32)
     for w in range(-(-(len(ids) - 1) // block_size)):
       chunk = ids[w * block_size: w * block_size + block_size + 1]
+      new = len(chunk) - 1
+      if full_last_window and new < block_size:
+        chunk = np.concatenate([context, ids[:w * block_size + new + 1]])[-(block_size + 1):]
       inputs[w, :len(chunk) - 1], targets[w, :len(chunk) - 1] = chunk[:-1], chunk[1:]
-      weights[w, :len(chunk) - 1] = 1.0
+      weights[w, len(chunk) - 1 - new:len(chunk) - 1] = 1.0
     return float(nll_sum(inputs, targets, weights))
 
   for block in blocks:
@@ -275,9 +287,10 @@ def perplexity(model, params, tokenizer, text, block_size, batch_size=8):
     while len(pending) > rows_ids:  # a full batch and the target of its last window
       total += score(pending[:rows_ids + 1])
       n_pred += rows_ids
+      before = np.concatenate([before, pending[:rows_ids]])[-block_size:]
       pending = pending[rows_ids:]
   if len(pending) > 1:
-    total += score(pending)
+    total += score(pending, before)
     n_pred += len(pending) - 1
   if n_pred < 1:
     raise UserError("the text has fewer than 2 tokens: nothing to score")
@@ -286,6 +299,23 @@ def perplexity(model, params, tokenizer, text, block_size, batch_size=8):
           "chars": n_chars, "ppl_per_char": float(np.exp(total / n_chars)),
           "bits_per_char": total / n_chars / np.log(2), "words": n_words,
           "ppl_per_word": float(np.exp(min(total / n_words, 700.0)))}
+
+
+@functools.partial(jax.jit, static_argnames=("model",))
+def target_logprobs(model, params, inputs, rows, targets):
+  """Scores the tokens a request predicts, several requests sharing one input row.
+
+  inputs [batch, width] (right-padded); rows [requests] names each request's input row; targets
+  [requests, width]: the token a request predicts after each input position. -> (log p(target)
+  [requests, width] float32, whether the target is the argmax [requests, width] bool); the caller
+  masks the positions a request does not score. One forward per row, however many requests read it
+  (a multiple-choice question's one-token answers); the [requests, width, vocab] log-probs are never
+  materialised.
+  """
+  logp = jax.nn.log_softmax(model.apply({"params": params}, inputs).astype(jnp.float32))   # [batch, width, vocab]
+  position = jnp.arange(inputs.shape[1])[None, :]
+  picked = logp[rows[:, None], position, targets]                                          # [requests, width]
+  return picked, jnp.argmax(logp, -1)[rows] == targets
 
 
 def eval_sums(model, task, params, batch):
@@ -365,6 +395,10 @@ def parse_args(argv):
   parser.add_argument("--hyp", help="scoring mode: system output file")
   parser.add_argument("--ref", help="scoring mode: reference file")
   parser.add_argument("--text", help="LM: perplexity of this text file")
+  parser.add_argument("--rolling", action="store_true",
+                      help="LM: lm-evaluation-harness's rolling windows (loglikelihood_rolling): the first token "
+                      "scored after BOS (else EOS), windows of model.max_len, the last one full")
+  parser.add_argument("--tasks", help=argparse.SUPPRESS)  # eval.py sends --tasks to jaxformer.harness
   parser.add_argument("overrides", nargs="*",
                       help="decode.* / data.* overrides of the run's config, e.g. decode.max_extra_len=100")
   return parser.parse_intermixed_args(argv)  # overrides before, between or after flags
@@ -374,6 +408,8 @@ def parse_args(argv):
 def main(argv):
   """The `eval.py` entry point."""
   args = parse_args(argv)
+  if args.tasks:
+    raise UserError("--tasks runs lm-evaluation-harness tasks: use eval.py --tasks ... or python -m jaxformer.harness")
   runtime.keep_freed_memory()
   runtime.use_compilation_cache()  # re-running (e.g. a length-penalty sweep) skips compiling
   if args.hyp or args.ref:
@@ -410,7 +446,12 @@ def main(argv):
       return result
     else:
       text, name = tasks.LMTask(cfg, args.workdir, log=lambda *_: None).val_blocks(), "the validation split"
-    result = perplexity(model, params, tokenizer, text, cfg.data.block_size)
+    if args.rolling:  # as jaxformer.harness scores a document (its tok_encode: BOS first under data.add_bos)
+      prefix = [tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id]
+      prefix += [tokenizer.bos_id] if cfg.data.add_bos else []
+      result = perplexity(model, params, tokenizer, text, cfg.model.max_len, prefix_ids=prefix, full_last_window=True)
+    else:
+      result = perplexity(model, params, tokenizer, text, cfg.data.block_size)
     print(f"{name}:\n{format_perplexity(result)}")
     return result
   out = args.out or os.path.join(args.workdir, f"{args.split}.hyp.txt")

@@ -462,6 +462,7 @@ def _train_and_evaluate(cfg, workdir, log, lease, early_stop=None):
   # Decoding (samples, BLEU) reads plain params: a LoRA run's merged W + (alpha / r) A B.
   full_params = ((lambda p: p) if base is None else
                  _under_mesh(mesh, jax.jit(functools.partial(lora.merge, cfg=cfg), out_shardings=base_sharding)))
+  harness_run = _harness_runner(cfg, model, task, log)  # None without train.eval_harness_tasks
   writer = metrics_lib.MetricWriter(workdir, cfg.train.num_steps, enabled=is_main)
   dev_batches = task.eval_batches("dev", cfg.train.eval_batches) if _has_dev(task) else []
   dev_batches = [sharding.global_batch(b, batch_sharding) for b in dev_batches]
@@ -543,6 +544,11 @@ def _train_and_evaluate(cfg, workdir, log, lease, early_stop=None):
         if task.name == "lm" and cfg.train.sample_every_eval:
           log("sample: " + repr(sample_text(model, full_params(*extra, state["params"]), task.tokenizer, cfg, step)))
         result.update(val)
+      if harness_run and (step % (cfg.train.eval_harness_every or cfg.train.eval_every) == 0 or last):
+        scores = harness_run(full_params(*extra, state["params"]))
+        writer.write(step, scores)
+        log(f"step {step} | " + " | ".join(f"{k} {v:.4f}" for k, v in scores.items()))
+        result.update(scores)
       if step % cfg.train.checkpoint_every == 0 or last or stop.signal:
         ckpt.save(step, state, {"step": step, "config": cfg.name, "tokenizer": task.tokenizer_path,
                                 "tokenizer_sha256": tokenizer_hash, **ckpt_meta})
@@ -597,6 +603,29 @@ def _train_and_evaluate(cfg, workdir, log, lease, early_stop=None):
   result["task"] = task
   result["model"] = model
   return result
+
+
+def _harness_runner(cfg, model, task, log):
+  """params -> {"harness/<task>/<metric>": value} of train.eval_harness_tasks (lm-evaluation-harness through
+  `jaxformer.harness`), or None when none are set. The tasks are checked now, before the first step."""
+  t = cfg.train
+  if not t.eval_harness_tasks:
+    return None
+  from jaxformer import harness  # pylint: disable=g-import-not-at-top  (lm-eval: an optional extra)
+  harness.require_lm_eval()
+  if jax.process_count() > 1:
+    raise UserError("train.eval_harness_tasks runs on one process: run the tasks on a checkpoint with "
+                    "eval.py --tasks instead, on a multi-host job")
+  names = [n.strip() for n in t.eval_harness_tasks.split(",") if n.strip()]
+  manager = harness._task_manager(t.eval_harness_include_path)  # pylint: disable=protected-access
+  harness._check_tasks(names, manager)  # pylint: disable=protected-access
+
+  def run(params):
+    lm = harness.JaxformerLM(run=(cfg, model, params, task.tokenizer))
+    results = harness.run_tasks(lm, names, None if t.eval_harness_fewshot < 0 else t.eval_harness_fewshot,
+                                t.eval_harness_limit or None, manager=manager, bootstrap_iters=0, log=log)
+    return harness.main_metrics(results)
+  return run
 
 
 def sample_text(model, params, tokenizer, cfg, step, prompt=None, max_new_tokens=200):
