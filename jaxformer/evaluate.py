@@ -24,6 +24,7 @@ from jaxformer import bleu
 from jaxformer import checkpoint as checkpoint_lib
 from jaxformer import config as config_lib
 from jaxformer import decode
+from jaxformer import layers
 from jaxformer import lora
 from jaxformer import losses
 from jaxformer import model as model_lib
@@ -302,20 +303,29 @@ def perplexity(model, params, tokenizer, text, block_size, batch_size=8, prefix_
 
 
 @functools.partial(jax.jit, static_argnames=("model",))
-def target_logprobs(model, params, inputs, rows, targets):
-  """Scores the tokens a request predicts, several requests sharing one input row.
+def hidden_states(model, params, inputs):
+  """The final hidden states [batch, width, d_model] of inputs [batch, width] (the model without its
+  output projection: `target_logprobs` projects only the positions it scores)."""
+  return model.apply({"params": params}, inputs, project=False)
 
-  inputs [batch, width] (right-padded); rows [requests] names each request's input row; targets
-  [requests, width]: the token a request predicts after each input position. -> (log p(target)
-  [requests, width] float32, whether the target is the argmax [requests, width] bool); the caller
-  masks the positions a request does not score. One forward per row, however many requests read it
-  (a multiple-choice question's one-token answers); the [requests, width, vocab] log-probs are never
-  materialised.
+
+@functools.partial(jax.jit, static_argnames=("model",))
+def target_logprobs(model, params, hidden, rows, positions, targets):
+  """Scores the tokens requests predict, several requests sharing one input row.
+
+  hidden [batch, width, d_model] (`hidden_states`); rows [requests] names each request's row;
+  positions [requests, span] the input positions whose next token it scores; targets [requests, span]
+  those tokens. -> (log p(target) [requests, span] float32, whether each target is the argmax
+  [requests, span] bool); the caller masks the padding of span. Only these positions go through the
+  vocabulary projection (the model's own, `layers.project_logits`, as the chunked training loss does):
+  a multiple-choice question's few answer tokens, not every context position.
   """
-  logp = jax.nn.log_softmax(model.apply({"params": params}, inputs).astype(jnp.float32))   # [batch, width, vocab]
-  position = jnp.arange(inputs.shape[1])[None, :]
-  picked = logp[rows[:, None], position, targets]                                          # [requests, width]
-  return picked, jnp.argmax(logp, -1)[rows] == targets
+  h = hidden[rows[:, None], positions]                                                  # [requests, span, d_model]
+  (weight, bias), spec = model.apply({"params": params}, method="output_weight")
+  logits = layers.project_logits(h.reshape(-1, h.shape[-1]), weight, spec, model.cfg, bias=bias)
+  logp = jax.nn.log_softmax(logits).reshape(*targets.shape, -1)                         # [requests, span, vocab]
+  picked = jnp.take_along_axis(logp, targets[..., None], -1)[..., 0]
+  return picked, jnp.argmax(logp, -1) == targets
 
 
 def eval_sums(model, task, params, batch):

@@ -5,10 +5,10 @@
 
 The harness asks a model three things; each is answered on our own forward pass and KV cache:
 - `loglikelihood(context, continuation)`: the summed log-prob of the continuation and whether it is
-  the greedy one (`evaluate.target_logprobs`), requests sorted longest first as the harness's `hf`
-  model sorts them, padded to a few widths (`_WIDTHS`) and a fixed batch, so a task compiles a
-  handful of programs; requests that feed the same input row (one-token answers to one question)
-  share its forward;
+  the greedy one (`evaluate.hidden_states`, then `evaluate.target_logprobs` projecting only the
+  continuation's positions), requests sorted longest first as the harness's `hf` model sorts them,
+  padded to a short ladder of widths (`_width`) and a fixed batch, so a task compiles a handful of
+  programs; requests that feed the same input row (one-token answers to one question) share its forward;
 - `loglikelihood_rolling(text)`: the harness's own disjoint windows over the model's context
   (`lm_eval.utils.get_rolling_token_windows`), the windows of `evaluate.perplexity` with the
   prefix token first;
@@ -49,8 +49,16 @@ except ImportError as e:  # the optional extra is not installed: say so when a t
   TemplateLM, _MISSING = object, e
   register_model = lambda *names: (lambda cls: cls)  # noqa: E731
 
-_WIDTHS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # padded input widths: few shapes, few compiles
 _INSTALL = 'pip install -e ".[eval]"'
+_SPANS = (4, 16, 64)  # padded continuation lengths (then multiples of 64)
+
+
+def _width(n, cap):
+  """n tokens padded to a width from a short ladder (32 up to 128, 64 up to 512, 128 up to 2048, then 256),
+  at most `cap` (the model's context): a task's lengths share a handful of programs, wasting at most
+  ~25% of a row on padding past 128 tokens."""
+  step = 32 if n <= 128 else 64 if n <= 512 else 128 if n <= 2048 else 256
+  return min(-(-n // step) * step, max(cap, n))
 
 
 def require_lm_eval():
@@ -60,9 +68,9 @@ def require_lm_eval():
                     f"{_INSTALL}")
 
 
-def _width(n, cap):
-  """The smallest padded width in _WIDTHS that holds n tokens, at most `cap`."""
-  return min(next((w for w in _WIDTHS if w >= n), n), max(cap, n))
+def _span(n):
+  """Continuation tokens scored per request, padded: 4, 16, 64, then multiples of 64."""
+  return next((s for s in _SPANS if s >= n), -(-n // 64) * 64)
 
 
 @register_model("jaxformer")
@@ -184,17 +192,22 @@ class JaxformerLM(TemplateLM):
       inputs = np.zeros((self.batch, width), np.int32)
       for inp, r in rows.items():
         inputs[r, :len(inp)] = inp
-      row_of = np.zeros(most, np.int32)
-      targets = np.zeros((most, width), np.int32)
-      mask = np.zeros((most, width), bool)
+      requests_padded = self.batch if len(members) <= self.batch else most
+      span = _span(max(len(feeds[i][1]) for i in members))
+      row_of = np.zeros(requests_padded, np.int32)
+      positions = np.zeros((requests_padded, span), np.int32)
+      targets = np.zeros((requests_padded, span), np.int32)
       for k, i in enumerate(members):
         inp, cont = feeds[i]
         row_of[k] = rows[inp]
-        targets[k, len(inp) - len(cont):len(inp)] = cont
-        mask[k, len(inp) - len(cont):len(inp)] = True
-      logp, greedy = jax.device_get(evaluate.target_logprobs(self.model, self.params, inputs, row_of, targets))
+        positions[k, :len(cont)] = np.arange(len(inp) - len(cont), len(inp))  # logits there predict cont
+        targets[k, :len(cont)] = cont
+      hidden = evaluate.hidden_states(self.model, self.params, inputs)
+      logp, greedy = jax.device_get(evaluate.target_logprobs(self.model, self.params, hidden, row_of, positions,
+                                                             targets))
       for k, i in enumerate(members):
-        results[i] = (float(np.sum(logp[k][mask[k]], dtype=np.float64)), bool(np.all(greedy[k][mask[k]])))
+        n = len(feeds[i][1])
+        results[i] = (float(np.sum(logp[k, :n], dtype=np.float64)), bool(np.all(greedy[k, :n])))
         if requests[i][0] is not None:
           self.cache_hook.add_partial("loglikelihood", requests[i][0], results[i])
     return results

@@ -474,3 +474,20 @@ def test_merged_and_peft_exports_agree(name, targets, tmp_path):
   assert len(config["target_modules"]) == want
   with pytest.raises(UserError, match="not a LoRA run"):
     convert.to_peft(base, str(tmp_path / "nope"), **QUIET)
+
+
+def test_the_harness_reads_a_lora_workdir_as_its_merged_model(base_run):
+  """lm-eval's `jaxformer` model on a LoRA workdir scores with W + (alpha / r) A B (jaxformer.harness)."""
+  from jaxformer import harness  # pylint: disable=g-import-not-at-top
+  tmp, _, make_cfg = base_run
+  run = train.train_and_evaluate(make_cfg("train.num_steps=3"), str(tmp / "harness"), **QUIET)
+  lm = harness.JaxformerLM(str(tmp / "harness"), batch_size=2)
+  merged = jax.device_get(lora.merge(run["lora_base"], run["state"]["params"], make_cfg()))
+  context, conts = lm.tok.encode("the cat sat on a"), [" mat.", " red house.", " dog"]
+  requests = [(None, context, lm.tok.encode(c)) for c in conts]
+  got = lm._loglikelihood_tokens(requests)
+  want = harness.JaxformerLM(run=(lm.cfg, lm.model, merged, lm.tok), batch_size=2)._loglikelihood_tokens(requests)
+  base = harness.JaxformerLM(run=(lm.cfg, lm.model, jax.device_get(run["lora_base"]), lm.tok),
+                             batch_size=2)._loglikelihood_tokens(requests)
+  assert [g[0] for g in got] == pytest.approx([w[0] for w in want], abs=1e-5)
+  assert max(abs(g[0] - b[0]) for g, b in zip(got, base)) > 1e-3  # the adapters count
