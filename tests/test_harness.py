@@ -266,3 +266,16 @@ def test_loglikelihood_of_other_models_against_brute_force(overrides):
   for c, (logp, is_greedy) in zip(conts, got):
     want_logp, want_greedy = _brute_force_logp(model, params, context, tok.encode(c))
     assert logp == pytest.approx(want_logp, abs=1e-4) and is_greedy == want_greedy, c
+
+
+def test_chat_rendering_with_and_without_the_generation_prompt(converted):
+  lm = _lm(converted, "llama3", chat_template=True)
+  history = [{"role": "user", "content": "Which season follows winter?"}]
+  head = "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nWhich season follows winter?<|eot_id|>"
+  assert lm.apply_chat_template(history) == head + "<|start_header_id|>assistant<|end_header_id|>\n\n"
+  # A task's answer prefix (gen_prefix) is the assistant's open turn: transformers' continue_final_message.
+  opened = lm.apply_chat_template(history + [{"role": "assistant", "content": "The answer is"}],
+                                  add_generation_prompt=False)
+  assert opened == head + "<|start_header_id|>assistant<|end_header_id|>\n\nThe answer is"
+  assert lm.tok_encode(opened)[0] == lm.tok.bos_id and lm.tok_encode(opened)[1] != lm.tok.bos_id  # BOS once
+  assert lm.chat_template(True) == LLAMA3_TEMPLATE and lm.chat_template(False) is None
