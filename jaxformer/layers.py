@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxformer import attention
 from jaxformer import kernels
+from jaxformer import qmatmul
 from jaxformer.config import ModelConfig
 
 # Masked logits get a large finite negative value, not -inf: a fully masked row
@@ -98,11 +99,16 @@ class TokenDense(nn.DenseGeneral):
   Same parameters and result; the leading [batch, length] dims are merged first
   because XLA:CPU computes the kernel gradient of a 3-D dot through transposed
   copies of the activations (the reshapes themselves are free).
+  A quantized workdir's kernel (`qkernel`, `qscale`: `jaxformer.qmatmul`) replaces `kernel`;
+  the product then dequantizes it inside the matmul (float params trace what they did before).
   """
 
   def __call__(self, x):
     n_in = len(self.axis) if isinstance(self.axis, tuple) else 1
-    y = super().__call__(x.reshape(-1, *x.shape[x.ndim - n_in:]))
+    if self.has_variable("params", "qkernel"):
+      y = qmatmul.dense_apply(self, x.reshape(-1, *x.shape[x.ndim - n_in:]), n_in, self.features, self.use_bias)
+    else:
+      y = super().__call__(x.reshape(-1, *x.shape[x.ndim - n_in:]))
     return y.reshape(*x.shape[:x.ndim - n_in], *y.shape[1:])
 
 
