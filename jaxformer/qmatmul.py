@@ -164,8 +164,8 @@ def read_manifest(workdir):
 
 def quantized_abstract(shapes, manifest):
   """The abstract params of a quantized workdir: `shapes` (the float model's, unrolled) with each
-  manifest path's `kernel` (a dense module's) or expert weight (`.../moe/wi`) replaced by its
-  quantized leaves."""
+  manifest path's `kernel` (a dense module's), `embedding` (a table) or expert weight (`.../moe/wi`)
+  replaced by its quantized leaves."""
   shapes = jax.tree.map(lambda x: x, shapes)  # a copy we may edit
   for path, entry in manifest["kernels"].items():
     *parents, leaf = path.split("/")
@@ -175,7 +175,7 @@ def quantized_abstract(shapes, manifest):
     bits, group = manifest["bits"], manifest["group_size"]
     q = quantized_shapes(entry["k"], entry["n"], entry.get("bits", bits), group)
     del node[leaf]
-    if leaf == "kernel":
+    if leaf in ("kernel", "embedding"):  # a dense kernel, or an embedding table (int8, rows = outputs)
       node.update(q)
     else:  # an MoE expert weight [experts, in, out]: one quantized kernel per expert
       e = entry["experts"]

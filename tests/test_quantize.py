@@ -1,6 +1,7 @@
 """Weight-only int8/int4 quantization: the formats against numpy, the CPU kernel against the XLA path,
 quantized workdirs through load_run/eval/generate against the float model of the dequantized weights."""
 
+import dataclasses
 import logging
 import os
 
@@ -120,23 +121,32 @@ def _logits(model, params, ids):
   return np.asarray(model.apply({"params": params}, ids))
 
 
-@pytest.mark.parametrize("name,bits", [("gpt2", 8), ("gpt2", 4), ("llama", 8), ("llama", 4), ("mixtral", 4)])
-def test_quantized_workdir_equals_the_dequantized_float_model(converted, tmp_path, name, bits):
+@pytest.mark.parametrize("name,bits,embedding", [("gpt2", 8, "int8"), ("gpt2", 4, "float"), ("llama", 8, "float"),
+                                                  ("llama", 4, "int8"), ("mixtral", 4, "int8")])
+def test_quantized_workdir_equals_the_dequantized_float_model(converted, tmp_path, name, bits, embedding):
   workdir, cfg, model, params, _ = converted(name)
   group = 16
   out = str(tmp_path / "q")
-  manifest = quantize.quantize_run(workdir, out, bits, group, log=QUIET)
+  manifest = quantize.quantize_run(workdir, out, bits, group, embedding=embedding, log=QUIET)
   qcfg, qmodel, qparams, _, _ = evaluate.load_run(out, log=QUIET)
   leaves = jax.tree.leaves(qparams)
   assert any(x.dtype == (jnp.int8 if bits == 8 else jnp.uint8) for x in leaves)
-  assert not any(p.endswith("/kernel") for p in manifest["kernels"] if "router" in p or "logits" in p)
+  assert not any("router" in p for p in manifest["kernels"])  # routing stays float32
+  tables = [p for p in manifest["kernels"] if p.endswith("/embedding") or p.startswith("logits/")]
+  assert all(manifest["kernels"][p]["bits"] == 8 for p in tables) and bool(tables) == (embedding == "int8")
   if name == "mixtral":
     assert any("experts" in v for v in manifest["kernels"].values())
-  reference = quantize.roundtrip_params(params, cfg.model, bits, group)
+  reference = quantize.roundtrip_params(params, cfg.model, bits, group, embedding)
   ids = (np.arange(2 * 12).reshape(2, 12) % (cfg.model.vocab_size - 3) + 3).astype(np.int32)
   np.testing.assert_allclose(_logits(qmodel, qparams, ids), _logits(model, reference, ids), rtol=1e-4, atol=1e-4)
   # the quantization did something: the float model's logits differ from the dequantized one's
   assert np.abs(_logits(model, params, ids) - _logits(model, reference, ids)).max() > 1e-6
+  # the chunked loss (model.logits_chunk: the output weight dequantized) gives the unchunked NLL
+  from jaxformer import model as model_lib, tasks  # pylint: disable=g-import-not-at-top
+  chunked = model_lib.build_model(dataclasses.replace(qcfg.model, logits_chunk=8))
+  targets, weights = np.roll(ids, -1, axis=1), np.ones(ids.shape, np.float32)
+  nll = lambda m: float(tasks.model_loss(m, qparams, (ids,), None, True, targets, weights, 0.0)[1])
+  np.testing.assert_allclose(nll(chunked), nll(qmodel), rtol=1e-5)
   # greedy decoding (batch 1: the CPU kernel when built) gives the float reference's tokens
   prompt = [list(ids[0, :5])]
   got = decode.generate(qmodel, qparams, prompt, 12, jax.random.key(0), temperature=0.0)
