@@ -86,6 +86,9 @@ def _load():
 
 def call(x, q, scale):
   """x [M, K] float32 . the quantized kernel (q, scale as in `jaxformer.qmatmul`) -> [M, N] float32 (the C++ kernel)."""
+  reason = unavailable()  # builds and registers the kernel on first use
+  if reason:
+    raise RuntimeError(reason)
   bits = 8 if q.dtype == jnp.int8 else 4
   out = jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32)
   return jax.ffi.ffi_call(TARGETS[bits], out, vmap_method="sequential")(x, q, scale)

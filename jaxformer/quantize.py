@@ -84,7 +84,7 @@ def quantize_params(params, model_cfg, bits, group_size=128, embedding="int8"):
     raise UserError(f"--bits {bits}: 8 or 4")
   if bits == 4 and (group_size < 2 or group_size % 2):
     raise UserError(f"--group-size {group_size}: a positive even number (e.g. 128)")
-  params = jax.tree.map(np.asarray, params)
+  params = jax.tree.map(np.asarray, nn.unbox(params))  # (model.init's params are boxed with their axis names)
   manifest = {"bits": bits, "group_size": group_size, "embedding": embedding, "kernels": {}}
 
   def quant(w2, bits=bits):  # [K, N] -> (q, scale)
