@@ -20,8 +20,8 @@ device's peak where JAX reports one.
         [--group-size 128] [--embedding int8|float]
 
 With --quantize: the same random weights in float32 and quantized (`jaxformer.quantize`, int8 and/or
-int4), side by side in interleaved rounds: prefill time, decode ms per token (the generate call
-less its prefill, over the new tokens after the first), the bytes one decode step reads (every
+int4), side by side in interleaved rounds: prefill time, decode ms per step (one token per row: the
+generate call less its prefill, over the steps after the first), the bytes one decode step reads (every
 weight once, the tied table whole, the input rows not, plus the KV cache) and the bandwidth that
 makes, against this machine's STREAM copy bandwidth (benchmarks/decode_vs_hf.py); tokens compared.
 """
@@ -176,7 +176,7 @@ def step_bytes(cfg, params, kv_bytes):
 
 
 def quantized_side_by_side(args, cfg, model, params, prompt_list, slots):
-  """float32 against int8/int4 weights (same weights), interleaved rounds: prefill, decode ms/token, bandwidth."""
+  """float32 against int8/int4 weights (same weights), interleaved rounds: prefill, decode ms/step, bandwidth."""
   from decode_vs_hf import stream_bandwidth  # pylint: disable=g-import-not-at-top
   from jaxformer import qkernel, quantize  # pylint: disable=g-import-not-at-top
   print(f"quantized-matmul CPU kernel: {qkernel.unavailable() or 'built (jaxformer/csrc/qmatmul.cc)'}")
@@ -206,7 +206,7 @@ def quantized_side_by_side(args, cfg, model, params, prompt_list, slots):
       times[name]["generate"].append(time.perf_counter() - t)
   print(f"STREAM copy bandwidth: {copy / 1e9:.1f} GB/s | batch {args.batch}, prompt {args.prompt_len}, "
         f"{args.new_tokens} new tokens, medians of {args.repeats} interleaved rounds")
-  print(f"\n{'weights':10s}{'prefill ms':>11s}{'decode ms/token':>16s}{'x float32':>10s}{'MiB/step':>10s}"
+  print(f"\n{'weights':10s}{'prefill ms':>11s}{'decode ms/step':>16s}{'x float32':>10s}{'MiB/step':>10s}"
         f"{'GB/s':>7s}{'% copy bw':>10s}{'prefill x':>10s}  tokens vs float32")
   base = None
   for name, p in variants.items():

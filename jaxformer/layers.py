@@ -176,7 +176,6 @@ class Embed(nn.Module):
     logits = _project(x.reshape(-1, x.shape[-1]), self.embedding, "nd,vd->nv", self.cfg)  # 2-D, as in TokenDense
     return logits.reshape(*x.shape[:-1], -1)
 
-
   def table(self):
     """The table [vocab, d_model] as float (a quantized one dequantized: the chunked loss's output weight)."""
     return self.embedding if self.quantized is None else qmatmul.dequantize(*self.quantized)

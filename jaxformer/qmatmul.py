@@ -27,7 +27,10 @@ import numpy as np
 from jaxformer import qkernel
 
 QUANT_PARAMS = ("qkernel", "qscale")
-KERNEL_MAX_ROWS = 16  # above this (prefill) the XLA path (measured faster: BENCHMARKS.md "Quantized weights")
+# Rows up to which the CPU kernel runs, by bits; above, the XLA path (prefill). Alone (weights in cache)
+# the kernel loses to float32's dot from ~64 rows (int8) and ~16-32 (int4): benchmarks/qmatmul_rows.py;
+# GPT-2's 16-row prefill was 0.53x float32 with the int4 kernel and 1.85x without (BENCHMARKS.md).
+KERNEL_MAX_ROWS = {8: 32, 4: 16}
 
 
 def quantize_int8(w):
@@ -107,18 +110,19 @@ def _log_once(key, line):
 def matmul(x, q, scale):
   """x [M, K] (float) times the quantized kernel -> [M, N] float32: the one quantized product.
 
-  On CPU with at most KERNEL_MAX_ROWS rows (decode), float32 activations and the kernel built,
+  On CPU with at most KERNEL_MAX_ROWS[bits] rows (decode), float32 activations and the kernel built,
   the C++ kernel; otherwise the XLA path (`xla_matmul`). Why the XLA path runs on CPU is logged
   once per reason."""
   rows = x.shape[0]
+  limit = KERNEL_MAX_ROWS[bits_of(q)]
   why = None
-  if rows > KERNEL_MAX_ROWS:
+  if rows > limit:
     why = None  # prefill: the XLA path by design, not a fallback
   elif x.dtype != jnp.float32:
     why = f"activations are {x.dtype}, the CPU kernel takes float32"
   else:
     why = qkernel.unavailable()
-  if rows > KERNEL_MAX_ROWS or why is not None:
+  if rows > limit or why is not None:
     if why is not None:
       _log_once(why, f"quantized matmul: XLA path on CPU ({why})")
     return xla_matmul(x, q, scale)
