@@ -212,3 +212,21 @@ def test_checkpoint_on_disk_and_refusals(converted, tmp_path):
   with pytest.raises(UserError, match="average"):
     evaluate.load_run(out, average_last=2, log=QUIET)
   assert checkpoint_lib.Checkpointer(out, max_to_keep=None, async_save=False, log=QUIET).all_steps()
+
+
+def test_commands_on_a_quantized_workdir(converted, tmp_path, capsys):
+  """`python -m jaxformer.quantize` then `python -m jaxformer.generate` on its output: greedy text equal to
+  the float model of the dequantized weights; a bad flag is a one-line error."""
+  from jaxformer import config as config_lib, generate  # pylint: disable=g-import-not-at-top
+  workdir, cfg, model, params, tok = converted("gpt2")
+  out = str(tmp_path / "q4")
+  quantize.main(["--workdir", workdir, "--out", out, "--bits", "4", "--group-size", "16"])
+  got = generate.main(["--workdir", out, "--prompt", "hello", "--temperature", "0", "--max-new-tokens", "8"])
+  reference = quantize.roundtrip_params(params, cfg.model, 4, 16)
+  greedy = config_lib.replace(cfg, **{"decode.temperature": 0.0, "decode.max_new_tokens": 8})
+  assert got == generate.generate_text(model, reference, tok, greedy, ["hello"]) and got[0]
+  capsys.readouterr()
+  with pytest.raises(SystemExit) as e:
+    quantize.main(["--workdir", workdir, "--out", str(tmp_path / "bad"), "--bits", "4", "--group-size", "7"])
+  err = capsys.readouterr().err.strip()
+  assert e.value.code == 2 and "\n" not in err and err.startswith("error: --group-size 7"), err
