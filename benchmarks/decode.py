@@ -15,6 +15,15 @@ crops as nanoGPT does. Both are greedy from the same randomly initialised weight
 outputs are compared token by token. Times are medians over --repeats calls after a
 compiling call; memory is the process's peak RSS so far (a running maximum) and the
 device's peak where JAX reports one.
+
+    python benchmarks/decode.py --config gpt2_small model.dtype=float32 --quantize 8,4 --batch 1 \
+        [--group-size 128] [--embedding int8|float]
+
+With --quantize: the same random weights in float32 and quantized (`jaxformer.quantize`, int8 and/or
+int4), side by side in interleaved rounds: prefill time, decode ms per step (one token per row: the
+generate call less its prefill, over the steps after the first), the bytes one decode step reads (every
+weight once, the tied table whole, the input rows not, plus the KV cache) and the bandwidth that
+makes, against this machine's STREAM copy bandwidth (benchmarks/decode_vs_hf.py); tokens compared.
 """
 
 import argparse
@@ -24,6 +33,7 @@ import resource
 import sys
 import time
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,6 +92,9 @@ def main(argv=None):
   parser.add_argument("--new-tokens", type=int, default=48)
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--fast", action="store_true", help="smoke run: batch 2, 8 + 8 tokens, 1 repeat")
+  parser.add_argument("--quantize", default=None, help="e.g. 8,4: float32 against quantized weights, side by side")
+  parser.add_argument("--group-size", type=int, default=128, help="int4 group (with --quantize)")
+  parser.add_argument("--embedding", default="int8", choices=("int8", "float"), help="tables (with --quantize)")
   args = parser.parse_intermixed_args(argv)
   runtime.keep_freed_memory()  # as `jaxformer.generate` does
   if args.fast:
@@ -111,6 +124,8 @@ def main(argv=None):
           f"each further token is a full forward over the last {window} (nanoGPT's crop)")
 
   prompt_list = [list(p) for p in prompts]
+  if args.quantize:
+    return quantized_side_by_side(args, cfg, model, params, prompt_list, slots)
   greedy = lambda n: lambda: decode.generate(model, params, prompt_list, n, jax.random.key(0), temperature=0.0)
   prefill = lambda: decode.prefill(model, params, prompt_list, max_len=slots)
   buffer = jnp.zeros((args.batch, total), jnp.int32).at[:, :args.prompt_len].set(prompts)
@@ -146,6 +161,63 @@ def main(argv=None):
   where = "" if same.all() else f" (first difference at new token {int(np.argmin(same.all(0)))})"
   print(f"\nidentical greedy output: {'yes' if same.all() else 'no'}{where}; "
         f"cache speed-up {t_full / t_cached:.1f}x")
+
+
+def step_bytes(cfg, params, kv_bytes):
+  """Bytes one decode step reads: every weight once, except the input rows of an untied embedding
+  table and of the position table (a row each); plus the KV cache."""
+  weights = sum(np.asarray(x).nbytes for x in jax.tree.leaves(params))
+  embed = params["embed"]
+  if not cfg.model.tie_output:
+    weights -= sum(np.asarray(x).nbytes for x in jax.tree.leaves(embed))
+  if "position_embedding" in params.get("decoder", {}):
+    weights -= np.asarray(params["decoder"]["position_embedding"]).nbytes
+  return weights + kv_bytes
+
+
+def quantized_side_by_side(args, cfg, model, params, prompt_list, slots):
+  """float32 against int8/int4 weights (same weights), interleaved rounds: prefill, decode ms/step, bandwidth."""
+  from decode_vs_hf import stream_bandwidth  # pylint: disable=g-import-not-at-top
+  from jaxformer import qkernel, quantize  # pylint: disable=g-import-not-at-top
+  print(f"quantized-matmul CPU kernel: {qkernel.unavailable() or 'built (jaxformer/csrc/qmatmul.cc)'}")
+  params = jax.tree.map(np.asarray, nn.unbox(params))
+  variants = {"float32": params}
+  for bits in (int(b) for b in args.quantize.split(",")):
+    variants[f"int{bits}"] = jax.tree.map(jnp.asarray, quantize.quantize_params(
+        params, cfg.model, bits, args.group_size, args.embedding)[0])
+  variants["float32"] = jax.tree.map(jnp.asarray, params)  # (first in the table: the reference)
+  kv = inspect_lib.kv_cache_bytes_per_token(cfg, cfg.model.dtype) * args.batch * slots
+  copy = stream_bandwidth()["copy"]  # bytes/s
+  steps = args.new_tokens - 1
+  times = {name: {"prefill": [], "generate": []} for name in variants}
+  outputs = {}
+  for name, p in variants.items():  # compile
+    outputs[name] = np.asarray(decode.generate(model, p, prompt_list, args.new_tokens, jax.random.key(0),
+                                               temperature=0.0))
+    jax.block_until_ready(decode.prefill(model, p, prompt_list, max_len=slots))
+  for _ in range(args.repeats):
+    for name, p in variants.items():
+      t = time.perf_counter()
+      jax.block_until_ready(decode.prefill(model, p, prompt_list, max_len=slots))
+      times[name]["prefill"].append(time.perf_counter() - t)
+      t = time.perf_counter()
+      jax.block_until_ready(decode.generate(model, p, prompt_list, args.new_tokens, jax.random.key(0),
+                                            temperature=0.0))
+      times[name]["generate"].append(time.perf_counter() - t)
+  print(f"STREAM copy bandwidth: {copy / 1e9:.1f} GB/s | batch {args.batch}, prompt {args.prompt_len}, "
+        f"{args.new_tokens} new tokens, medians of {args.repeats} interleaved rounds")
+  print(f"\n{'weights':10s}{'prefill ms':>11s}{'decode ms/step':>16s}{'x float32':>10s}{'MiB/step':>10s}"
+        f"{'GB/s':>7s}{'% copy bw':>10s}{'prefill x':>10s}  tokens vs float32")
+  base = None
+  for name, p in variants.items():
+    prefill = float(np.median(times[name]["prefill"]))
+    per_token = max(float(np.median(times[name]["generate"])) - prefill, 1e-9) / steps
+    nbytes = step_bytes(cfg, p, kv)
+    base = base or (per_token, prefill)
+    same = float(np.mean(outputs[name] == outputs["float32"]))
+    print(f"{name:10s}{prefill * 1e3:11.1f}{per_token * 1e3:16.2f}{per_token / base[0]:10.2f}{nbytes / 2**20:10.1f}"
+          f"{nbytes / per_token / 1e9:7.1f}{100 * nbytes / per_token / copy:9.0f}%{prefill / base[1]:10.2f}  "
+          f"{100 * same:.0f}% equal")
 
 
 if __name__ == "__main__":

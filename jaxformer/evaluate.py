@@ -28,6 +28,7 @@ from jaxformer import layers
 from jaxformer import lora
 from jaxformer import losses
 from jaxformer import model as model_lib
+from jaxformer import qmatmul
 from jaxformer import runtime
 from jaxformer import sources as sources_lib
 from jaxformer import tasks
@@ -147,6 +148,13 @@ def load_run(workdir, average_last=0, step=None, log=print, overrides=(), scan_l
              if average_last > 1 else [step])
     stored_scan = stored_scan_layers(ckpt, steps[-1])
     _, shapes = abstract_params(config_lib.replace(cfg, **{"model.scan_layers": stored_scan}))
+    manifest = qmatmul.read_manifest(workdir)
+    if manifest is not None:  # int8/int4 weights (python -m jaxformer.quantize): the same model reads them
+      if average_last > 1:
+        raise UserError(f"--average-last with a quantized run ({workdir}): average the float run, then quantize")
+      shapes = qmatmul.quantized_abstract(shapes, manifest)
+      log(f"{workdir}: int{manifest['bits']} weights ({len(manifest['kernels'])} kernels"
+          + (f", int4 group {manifest['group_size']})" if manifest["bits"] == 4 else ")"))
     if average_last > 1:
       params = checkpoint_lib.average_checkpoints(workdir, average_last, {"params": shapes}, log=log, until=step)
       _, meta = ckpt.restore_params(shapes, step=steps[-1])

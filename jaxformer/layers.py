@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxformer import attention
 from jaxformer import kernels
+from jaxformer import qmatmul
 from jaxformer.config import ModelConfig
 
 # Masked logits get a large finite negative value, not -inf: a fully masked row
@@ -98,11 +99,16 @@ class TokenDense(nn.DenseGeneral):
   Same parameters and result; the leading [batch, length] dims are merged first
   because XLA:CPU computes the kernel gradient of a 3-D dot through transposed
   copies of the activations (the reshapes themselves are free).
+  A quantized workdir's kernel (`qkernel`, `qscale`: `jaxformer.qmatmul`) replaces `kernel`;
+  the product then dequantizes it inside the matmul (float params trace what they did before).
   """
 
   def __call__(self, x):
     n_in = len(self.axis) if isinstance(self.axis, tuple) else 1
-    y = super().__call__(x.reshape(-1, *x.shape[x.ndim - n_in:]))
+    if self.has_variable("params", "qkernel"):
+      y = qmatmul.dense_apply(self, x.reshape(-1, *x.shape[x.ndim - n_in:]), n_in, self.features, self.use_bias)
+    else:
+      y = super().__call__(x.reshape(-1, *x.shape[x.ndim - n_in:]))
     return y.reshape(*x.shape[:x.ndim - n_in], *y.shape[1:])
 
 
@@ -132,11 +138,18 @@ def dense(cfg, features, names, axis=-1, name=None, use_bias=None):
 
 
 class Embed(nn.Module):
-  """Token embedding table [vocab, d_model]; `attend` reuses it as the output layer."""
+  """Token embedding table [vocab, d_model]; `attend` reuses it as the output layer.
+
+  A quantized workdir may hold the table as int8 rows with a scale per row (`qkernel` [vocab,
+  d_model], `qscale` [vocab]: `jaxformer.qmatmul`'s int8 format, vocab as the outputs)."""
   cfg: ModelConfig
 
   def setup(self):
     cfg = self.cfg
+    if self.has_variable("params", "qkernel"):
+      self.quantized = (self.get_variable("params", "qkernel"), self.get_variable("params", "qscale"))
+      return
+    self.quantized = None
     # With sqrt(d) scaling the table starts at std d^-0.5 so the scaled input has unit scale.
     std = cfg.d_model ** -0.5 if cfg.scale_embeddings else cfg.init_std
     self.embedding = self.param("embedding", _param(nn.initializers.normal(std), ("vocab", "embed")),
@@ -146,15 +159,26 @@ class Embed(nn.Module):
     """ids [batch, length] int -> [batch, length, d_model]."""
     # FSDP: gather from the table all-gathered over `embed`, so the rows come out sharded
     # like `ids` (over the batch); else XLA gathers embed-sharded rows and reshards them.
-    table = nn.with_logical_constraint(self.embedding, ("vocab", None))
-    x = jnp.take(table, ids, axis=0).astype(self.cfg.dtype)
+    if self.quantized is not None:
+      q, scale = self.quantized
+      x = (jnp.take(q, ids, axis=0).astype(jnp.float32) * jnp.take(scale, ids, axis=0)[..., None]).astype(self.cfg.dtype)
+    else:
+      table = nn.with_logical_constraint(self.embedding, ("vocab", None))
+      x = jnp.take(table, ids, axis=0).astype(self.cfg.dtype)
     x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
     return x * math.sqrt(self.cfg.d_model) if self.cfg.scale_embeddings else x
 
   def attend(self, x):
     """x [batch, length, d_model] -> logits [batch, length, vocab] (float32)."""
+    if self.quantized is not None:
+      logits = qmatmul.matmul(x.reshape(-1, x.shape[-1]).astype(self.cfg.dtype), *self.quantized)
+      return logits.reshape(*x.shape[:-1], -1)
     logits = _project(x.reshape(-1, x.shape[-1]), self.embedding, "nd,vd->nv", self.cfg)  # 2-D, as in TokenDense
     return logits.reshape(*x.shape[:-1], -1)
+
+  def table(self):
+    """The table [vocab, d_model] as float (a quantized one dequantized: the chunked loss's output weight)."""
+    return self.embedding if self.quantized is None else qmatmul.dequantize(*self.quantized)
 
 
 def project_logits(x, weight, spec, cfg: ModelConfig, bias=None):

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jaxformer.config import ModelConfig
 from jaxformer import layers
 from jaxformer import moe as moe_lib
+from jaxformer import qmatmul
 
 
 def _default_segments(ids, segment, pad_id=0):
@@ -236,8 +237,11 @@ def _output_weight(cfg, embed, model):
   """The tied embedding table [vocab, d_model] or the `logits` kernel [d_model, vocab], with the
   logits bias [vocab] (None without one) and the einsum spec."""
   if cfg.tie_output:
-    return (embed.embedding, model.logits_bias), "nd,vd->nv"
-  return (model.logits.variables["params"]["kernel"], model.logits_bias), "nd,dv->nv"
+    return (embed.table(), model.logits_bias), "nd,vd->nv"
+  head = model.logits.variables["params"]
+  if "qkernel" in head:  # a quantized workdir's output layer, dequantized: [vocab, d_model]
+    return (qmatmul.dequantize(head["qkernel"], head["qscale"]), model.logits_bias), "nd,vd->nv"
+  return (head["kernel"], model.logits_bias), "nd,dv->nv"
 
 
 def build_model(cfg: ModelConfig):

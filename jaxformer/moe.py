@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
-from jaxformer import layers, sharding
+from jaxformer import layers, qmatmul, sharding
 from jaxformer.config import ModelConfig
 
 # The expert FFN's weights, [experts, d_model, d_ff] / [experts, d_ff, d_model]; `inspect` counts
@@ -148,9 +148,13 @@ class MoEFeedForward(nn.Module):
     init = layers._param(layers.kernel_init(cfg), ("expert", "embed", "mlp"))
     init_out = layers._param(layers.kernel_init(cfg), ("expert", "mlp", "embed"))
     names_in = ("wi_gate", "wi_up") if cfg.gated else ("wi",)
-    w_in = [self.expert_weight(name, self.param(name, init, (num_e, d, f), jnp.float32)) for name in names_in]
-    w_out = self.expert_weight("wo", self.param("wo", init_out, (num_e, f, d), jnp.float32))
     dtype = jnp.dtype(cfg.matmul_dtype if cfg.matmul_dtype != "float32" else cfg.dtype)
+
+    def param(name, init, shape):  # a quantized workdir's expert weights are dequantized into the dot
+      w = qmatmul.expert_weight(self, name, dtype)
+      return self.param(name, init, shape, jnp.float32) if w is None else w
+    w_in = [self.expert_weight(name, param(name, init, (num_e, d, f))) for name in names_in]
+    w_out = self.expert_weight("wo", param("wo", init_out, (num_e, f, d)))
 
     def ffn(h, matmul, w_in=w_in, w_out=w_out):
       """The experts' FFN on rows h through `matmul(rows, weight [experts, in, out])`."""

@@ -85,6 +85,7 @@ def test_wheel_installs_recipes_inside_the_namespace(wheel):
   assert tops == {"jaxformer"}, tops  # no top-level `configs` to clash with PyPI's package of that name
   assert "jaxformer/configs/wmt_base.py" in names and "jaxformer/configs/_paths.py" in names
   assert "jaxformer/convert/llama.py" in names and "jaxformer/convert/__main__.py" in names  # the subpackage
+  assert "jaxformer/csrc/qmatmul.cc" in names  # the quantized kernel's source, built on first use
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from jaxformer import evaluate
+from jaxformer import qmatmul
 from jaxformer import tokenizer as tokenizer_lib
 from jaxformer.convert import families
 from jaxformer.convert.common import get, numpy_dtype, put, read_json
@@ -135,6 +136,9 @@ def to_hf(workdir, out, step=None, dtype="float32", max_shard_mb=2048, log=print
   Each parameter is dropped once its HF tensor is made, so the peak is about one copy of the
   model plus one shard (`max_shard_mb`).
   """
+  if qmatmul.read_manifest(workdir) is not None:
+    raise UserError(f"--to-hf {workdir}: a quantized run (jaxformer.quantize) has no HF float export; "
+                    "convert the float run it was made from")
   # HF's layout is per layer: a model.scan_layers checkpoint is unstacked on the way in.
   cfg, _, params, _, meta = evaluate.load_run(workdir, step=step, log=lambda *_: None, scan_layers=False)
   run_dir, workdir = workdir, meta.get("lora_base") or workdir  # a LoRA run (merged above): the rest is its base's

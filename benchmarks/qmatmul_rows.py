@@ -1,0 +1,57 @@
+"""The quantized product alone, by rows: the CPU kernel and the XLA path against float32's dot.
+
+    python benchmarks/qmatmul_rows.py [--k 768 --n 3072] [--rows 1,8,16,32,64,128]
+
+One [rows, K] x [K, N] product (default: GPT-2 124M's FFN input projection), jitted, medians of 10
+calls after a compiling one; int8 per channel and int4 group 128 (`jaxformer.qmatmul`). Sets where
+`qmatmul.KERNEL_MAX_ROWS` hands over to the XLA path.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from jaxformer import qkernel  # pylint: disable=g-import-not-at-top
+from jaxformer import qmatmul
+
+
+def timed(f, *a):
+  """Median seconds of 10 calls after a compiling one."""
+  f(*a).block_until_ready()
+  ts = []
+  for _ in range(10):
+    s = time.perf_counter()
+    f(*a).block_until_ready()
+    ts.append(time.perf_counter() - s)
+  return float(np.median(ts))
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--k", type=int, default=768)
+  parser.add_argument("--n", type=int, default=3072)
+  parser.add_argument("--rows", default="1,8,16,32,64,128")
+  args = parser.parse_args(argv)
+  print(f"CPU kernel: {qkernel.unavailable() or 'built'} | [rows, {args.k}] x [{args.k}, {args.n}]")
+  rng = np.random.default_rng(0)
+  w = rng.standard_normal((args.k, args.n)).astype(np.float32)
+  quantized = {8: qmatmul.quantize_int8(w), 4: qmatmul.quantize_int4(w, 128)}
+  for m in (int(r) for r in args.rows.split(",")):
+    x = rng.standard_normal((m, args.k)).astype(np.float32)
+    tf = timed(jax.jit(lambda x, w: x @ w), x, jnp.asarray(w))
+    row = [f"rows {m:4d}: float32 {tf * 1e3:6.2f} ms"]
+    for bits, (q, s) in quantized.items():
+      q, s = jnp.asarray(q), jnp.asarray(s)
+      tk, tx = timed(jax.jit(qkernel.call), x, q, s), timed(jax.jit(qmatmul.xla_matmul), x, q, s)
+      row.append(f"int{bits} kernel {tk / tf:.2f}x, XLA path {tx / tf:.2f}x")
+    print(" | ".join(row), flush=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,197 @@
+"""Weight-only quantized matmul kernels (int8 per output channel, int4 in groups): formats, products.
+
+A quantized kernel is stored output-major, as llama.cpp and most CPU kernels do: the float
+kernel flattened to w [K, N] (K = fan-in, N = fan-out) becomes
+
+- int8: `qkernel` int8 [N, K], round(w^T / s) with one scale per output, `qscale` float32 [N]
+  (s = max |w[:, n]| / 127: symmetric, no zero point).
+- int4: `qkernel` uint8 [N, K / 2], two signed 4-bit values per byte (the even k in the low
+  nibble, the odd k in the high one), `qscale` float32 [N, K / group]: one scale per
+  group of `group` consecutive inputs of an output (s = max |w| over the group / 7, values -7..7).
+
+`matmul` is the product the Dense layers and MoE experts run on them: on CPU a C++ kernel
+(jaxformer/csrc, `jax.ffi`) for up to `KERNEL_MAX_ROWS` rows when it could be built, else the XLA
+path (the int8/int4 weights converted inside the `dot_general`, which TPU/GPU compilers fuse),
+logged once with the reason. Float runs never reach this module: their programs are unchanged.
+"""
+
+import json
+import logging
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxformer import qkernel
+
+QUANT_PARAMS = ("qkernel", "qscale")
+# Rows up to which the CPU kernel runs, by bits; above, the XLA path (prefill). Alone (weights in cache)
+# the kernel loses to float32's dot from ~64 rows (int8) and ~16-32 (int4): benchmarks/qmatmul_rows.py;
+# GPT-2's 16-row prefill was 0.53x float32 with the int4 kernel and 1.85x without (BENCHMARKS.md).
+KERNEL_MAX_ROWS = {8: 32, 4: 16}
+
+
+def quantize_int8(w):
+  """w [K, N] float -> (q int8 [N, K], scale float32 [N]): per-output-channel symmetric int8."""
+  w = np.asarray(w, np.float32).T
+  amax = np.max(np.abs(w), axis=1)
+  scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
+  q = np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8)
+  return q, scale
+
+
+def quantize_int4(w, group):
+  """w [K, N] float -> (packed uint8 [N, K / 2], scale float32 [N, K / group]): grouped symmetric int4.
+
+  `group` must divide K and be even (K itself for a kernel smaller than the group)."""
+  w = np.asarray(w, np.float32).T
+  n, k = w.shape
+  if k % group or group % 2:
+    raise ValueError(f"int4 group {group} must be even and divide the fan-in {k}")
+  g = w.reshape(n, k // group, group)
+  amax = np.max(np.abs(g), axis=2)
+  scale = np.where(amax > 0, amax / np.float32(7), np.float32(1)).astype(np.float32)
+  q = np.clip(np.rint(g / scale[:, :, None]), -7, 7).astype(np.int8).reshape(n, k)
+  packed = (q[:, 0::2] & 0x0F) | (q[:, 1::2] << 4)
+  return packed.astype(np.uint8), scale
+
+
+def group_for(k, group):
+  """The int4 group a kernel of fan-in k gets: `group`, or k itself when k is smaller."""
+  return k if k < group else group
+
+
+def unpack_int4(packed):
+  """packed uint8 [N, K / 2] -> int8 [N, K] in -8..7 (jnp; the even k from the low nibble)."""
+  b = packed.astype(jnp.int8)
+  lo = jnp.right_shift(jnp.left_shift(b, 4), 4)  # arithmetic shifts sign-extend the nibbles
+  hi = jnp.right_shift(b, 4)
+  return jnp.stack([lo, hi], axis=-1).reshape(packed.shape[0], -1)
+
+
+def dequantize(q, scale, dtype=jnp.float32):
+  """(qkernel, qscale) -> the float kernel w^T [N, K] in `dtype`: what the quantized product multiplies by."""
+  if q.dtype == jnp.int8:
+    return q.astype(dtype) * scale[:, None].astype(dtype)
+  w = unpack_int4(q).astype(dtype)
+  n, k = w.shape
+  groups = scale.shape[1]
+  return (w.reshape(n, groups, k // groups) * scale[:, :, None].astype(dtype)).reshape(n, k)
+
+
+def bits_of(q):
+  """8 or 4: the scheme of a `qkernel` (int8 or packed uint8)."""
+  return 8 if q.dtype == jnp.int8 else 4
+
+
+def xla_matmul(x, q, scale):
+  """x [M, K] . dequantize(q, scale)^T -> [M, N] float32, through XLA's dot_general.
+
+  int8: the int8 operand converted in the dot and the per-output scale applied to its result
+  (exact algebra); int4: the unpacked weight times its group scales, then the dot."""
+  dtype = x.dtype
+  if q.dtype == jnp.int8:
+    out = jnp.einsum("mk,nk->mn", x, q.astype(dtype), preferred_element_type=jnp.float32)
+    return out * scale
+  return jnp.einsum("mk,nk->mn", x, dequantize(q, scale, dtype), preferred_element_type=jnp.float32)
+
+
+_LOGGED = set()
+
+
+def _log_once(key, line):
+  if key not in _LOGGED:
+    _LOGGED.add(key)
+    logging.getLogger(__name__).warning(line)
+
+
+def matmul(x, q, scale):
+  """x [M, K] (float) times the quantized kernel -> [M, N] float32: the one quantized product.
+
+  On CPU with at most KERNEL_MAX_ROWS[bits] rows (decode), float32 activations and the kernel built,
+  the C++ kernel; otherwise the XLA path (`xla_matmul`). Why the XLA path runs on CPU is logged
+  once per reason."""
+  rows = x.shape[0]
+  limit = KERNEL_MAX_ROWS[bits_of(q)]
+  why = None
+  if rows > limit:
+    why = None  # prefill: the XLA path by design, not a fallback
+  elif x.dtype != jnp.float32:
+    why = f"activations are {x.dtype}, the CPU kernel takes float32"
+  else:
+    why = qkernel.unavailable()
+  if rows > limit or why is not None:
+    if why is not None:
+      _log_once(why, f"quantized matmul: XLA path on CPU ({why})")
+    return xla_matmul(x, q, scale)
+  return jax.lax.platform_dependent(x, q, scale, cpu=qkernel.call, default=xla_matmul)
+
+
+def quantized_shapes(k, n, bits, group):
+  """{qkernel, qscale} ShapeDtypeStructs of a [K, N] kernel in a scheme (for restoring checkpoints)."""
+  if bits == 8:
+    return {"qkernel": jax.ShapeDtypeStruct((n, k), jnp.int8), "qscale": jax.ShapeDtypeStruct((n,), jnp.float32)}
+  g = group_for(k, group)
+  return {"qkernel": jax.ShapeDtypeStruct((n, k // 2), jnp.uint8),
+          "qscale": jax.ShapeDtypeStruct((n, k // g), jnp.float32)}
+
+
+def dense_apply(module, x, n_in, features, use_bias):
+  """TokenDense's product on quantized params: x [tokens, *in] -> [tokens, *features] in the module's dtype.
+
+  module: the TokenDense (its `qkernel`, `qscale` and optional `bias` params)."""
+  q, scale = module.get_variable("params", "qkernel"), module.get_variable("params", "qscale")
+  k = math.prod(x.shape[x.ndim - n_in:])
+  dtype = module.dtype or jnp.float32
+  y = matmul(x.reshape(x.shape[0], k).astype(dtype), q, scale)
+  features = features if isinstance(features, tuple) else (features,)
+  y = y.reshape(x.shape[0], *features).astype(dtype)
+  if use_bias:
+    y = y + module.get_variable("params", "bias").astype(dtype)
+  return y
+
+
+# A quantized workdir's manifest (quantization.json): {"bits", "group_size", "kernels": {path: {"k", "n"}}}.
+MANIFEST = "quantization.json"
+
+
+def read_manifest(workdir):
+  """The workdir's quantization manifest (dict), or None for a float run."""
+  path = os.path.join(workdir, MANIFEST)
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def quantized_abstract(shapes, manifest):
+  """The abstract params of a quantized workdir: `shapes` (the float model's, unrolled) with each
+  manifest path's `kernel` (a dense module's), `embedding` (a table) or expert weight (`.../moe/wi`)
+  replaced by its quantized leaves."""
+  shapes = jax.tree.map(lambda x: x, shapes)  # a copy we may edit
+  for path, entry in manifest["kernels"].items():
+    *parents, leaf = path.split("/")
+    node = shapes
+    for p in parents:
+      node = node[p]
+    bits, group = manifest["bits"], manifest["group_size"]
+    q = quantized_shapes(entry["k"], entry["n"], entry.get("bits", bits), group)
+    del node[leaf]
+    if leaf in ("kernel", "embedding"):  # a dense kernel, or an embedding table (int8, rows = outputs)
+      node.update(q)
+    else:  # an MoE expert weight [experts, in, out]: one quantized kernel per expert
+      e = entry["experts"]
+      for name, s in q.items():
+        node[f"{leaf}_{name}"] = jax.ShapeDtypeStruct((e, *s.shape), s.dtype)
+  return shapes
+
+
+def expert_weight(module, name, dtype):
+  """An MoE expert weight [experts, in, out] in `dtype` from its quantized leaves (`{name}_qkernel`,
+  `{name}_qscale`), or None when the module holds it in float. Dequantized into the dot (XLA path)."""
+  if not module.has_variable("params", f"{name}_qkernel"):
+    return None
+  q, scale = module.get_variable("params", f"{name}_qkernel"), module.get_variable("params", f"{name}_qscale")
+  return jax.vmap(lambda q, s: dequantize(q, s, dtype).T)(q, scale)

@@ -1,0 +1,203 @@
+"""Quantize a run's weights to int8 or int4 (weight-only) into a new workdir that eval/generate read as any other.
+
+    python -m jaxformer.quantize --workdir W --out Q --bits 8|4 [--group-size 128] [--step N]
+
+Every dense projection's kernel (attention q/k/v/out, FFN, cross-attention) and every MoE
+expert weight is stored as `jaxformer.qmatmul` describes: int8 with a float32 scale per output
+channel, or int4 (two per byte) with a float32 scale per `--group-size` inputs of an output.
+The token embeddings and an untied output layer become int8 with a scale per vocabulary row
+(`--embedding float` keeps them float32); position tables, MoE routers, norms and biases stay float32. The new workdir holds
+the run's config and tokenizer, a params-only checkpoint and `quantization.json` (the scheme and
+the quantized paths); `eval.py`, `python -m jaxformer.generate` and `jaxformer.evaluate.load_run`
+read it through the same model code (the Dense layers multiply by the quantized kernel).
+Written here rather than with qwix/AQT: neither is a dependency, and weight-only PTQ is ~40 lines.
+"""
+
+import argparse
+import json
+import math
+import os
+import shutil
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxformer import checkpoint as checkpoint_lib
+from jaxformer import config as config_lib
+from jaxformer import evaluate
+from jaxformer import layers
+from jaxformer import model as model_lib
+from jaxformer import moe
+from jaxformer import qmatmul
+from jaxformer.errors import UserError, cli
+
+SKIPPED = ("router",)  # float on purpose: routing decisions
+OUTPUT = ("logits",)   # the untied output layer: int8 with the embeddings (embedding="int8"), else float
+
+
+def quantizable(model_cfg):
+  """{param path: (n_in, kind)} of the model's quantizable weights, in call order: each dense
+  module's kernel ('.../query/kernel', n_in = its contracted axes; the output layer's kind 'output'),
+  each MoE expert weight ('.../moe/wi', kind 'experts') and each token embedding table
+  ('embed/embedding', kind 'embedding'). Recorded by running the model's init abstractly."""
+  model = model_lib.build_model(model_cfg)
+  seen = {}
+
+  def record(next_fun, args, kwargs, context):
+    fn = getattr(context.orig_method, "func", context.orig_method)
+    module = context.module
+    if isinstance(module, layers.TokenDense) and getattr(fn, "__qualname__", "") == "TokenDense.__call__":
+      if module.name not in SKIPPED:
+        n_in = len(module.axis) if isinstance(module.axis, tuple) else 1
+        seen["/".join(module.path) + "/kernel"] = (n_in, "output" if module.name in OUTPUT else "dense")
+    elif isinstance(module, layers.Embed) and context.method_name in ("__call__", "attend"):
+      seen["/".join(module.path) + "/embedding"] = (1, "embedding")
+    elif isinstance(module, moe.MoEFeedForward) and context.method_name == "expert_weight":
+      seen["/".join(module.path) + "/" + args[0]] = (1, "experts")
+    return next_fun(*args, **kwargs)
+
+  dummy = jnp.ones((1, 8), jnp.int32)
+  args = (dummy, dummy) if model_cfg.arch == "encoder_decoder" else (dummy,)
+  with nn.intercept_methods(record):
+    jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), *args))
+  return seen
+
+
+def _get(tree, path):
+  for p in path.split("/"):
+    tree = tree[p]
+  return tree
+
+
+def quantize_params(params, model_cfg, bits, group_size=128, embedding="int8"):
+  """(quantized params, manifest): `params` (unrolled layers) with every `quantizable` weight replaced:
+  the projections in `bits`, the token embeddings and the untied output layer in int8 (a scale per
+  vocabulary row) unless embedding="float".
+
+  manifest: {"bits", "group_size", "embedding", "kernels": {path: {"k", "n"[, "bits"][, "experts"]}}},
+  as `quantization.json` holds it."""
+  if embedding not in ("int8", "float"):
+    raise UserError(f"--embedding {embedding}: int8 or float")
+  if bits not in (8, 4):
+    raise UserError(f"--bits {bits}: 8 or 4")
+  if bits == 4 and (group_size < 2 or group_size % 2):
+    raise UserError(f"--group-size {group_size}: a positive even number (e.g. 128)")
+  params = jax.tree.map(np.asarray, nn.unbox(params))  # (model.init's params are boxed with their axis names)
+  manifest = {"bits": bits, "group_size": group_size, "embedding": embedding, "kernels": {}}
+
+  def quant(w2, bits=bits):  # [K, N] -> (q, scale)
+    k = w2.shape[0]
+    if bits == 8:
+      return qmatmul.quantize_int8(w2)
+    g = qmatmul.group_for(k, group_size)
+    if k % g or g % 2:
+      raise UserError(f"int4: fan-in {k} is not a multiple of --group-size {group_size} (or is odd): "
+                      "choose a group size that divides every fan-in, or use --bits 8")
+    return qmatmul.quantize_int4(w2, g)
+
+  for path, (n_in, kind) in quantizable(model_cfg).items():
+    if kind in ("embedding", "output") and embedding == "float":
+      continue
+    *parents, leaf = path.split("/")
+    node = _get(params, "/".join(parents))
+    w = node.pop(leaf)
+    if kind == "embedding":  # [vocab, d_model]: the rows are the outputs of `attend`
+      node["qkernel"], node["qscale"] = quant(w.T, 8)
+      manifest["kernels"][path] = {"k": int(w.shape[1]), "n": int(w.shape[0]), "bits": 8}
+    elif kind == "output":
+      node["qkernel"], node["qscale"] = quant(w, 8)
+      manifest["kernels"][path] = {"k": int(w.shape[0]), "n": int(w.shape[1]), "bits": 8}
+    elif kind == "dense":
+      k = math.prod(w.shape[:n_in])
+      node["qkernel"], node["qscale"] = quant(w.reshape(k, -1))
+      manifest["kernels"][path] = {"k": k, "n": int(w.size // k)}
+    else:  # [experts, in, out]
+      pairs = [quant(w[e]) for e in range(w.shape[0])]
+      node[f"{leaf}_qkernel"] = np.stack([p[0] for p in pairs])
+      node[f"{leaf}_qscale"] = np.stack([p[1] for p in pairs])
+      manifest["kernels"][path] = {"k": int(w.shape[1]), "n": int(w.shape[2]), "experts": int(w.shape[0])}
+  return params, manifest
+
+
+def roundtrip_params(params, model_cfg, bits, group_size=128, embedding="int8"):
+  """Float params with every `quantizable` weight replaced by dequantize(quantize(w)), in its own shape:
+  the float model a quantized one stands for (to compare logits, or NLL without the kernels)."""
+  qparams, manifest = quantize_params(params, model_cfg, bits, group_size, embedding)
+  out = jax.tree.map(np.asarray, params)
+  for path, entry in manifest["kernels"].items():
+    q, scale = _quantized_leaves(qparams, path)
+    *parents, leaf = path.split("/")
+    node = _get(out, "/".join(parents))
+    if "experts" in entry:
+      w = np.stack([np.asarray(qmatmul.dequantize(jnp.asarray(a), jnp.asarray(b))).T for a, b in zip(q, scale)])
+    else:
+      w = np.asarray(qmatmul.dequantize(jnp.asarray(q), jnp.asarray(scale)))
+      w = w if leaf == "embedding" else w.T  # a table is stored as it is used, [vocab, d_model]
+    node[leaf] = w.reshape(node[leaf].shape)
+  return out
+
+
+def tree_bytes(tree):
+  """Bytes of the arrays in a params tree."""
+  return sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
+
+
+def quantize_run(workdir, out, bits, group_size=128, step=None, embedding="int8", log=print):
+  """Writes the quantized copy of `workdir`'s checkpoint `step` (default: latest) to `out`; returns the manifest."""
+  if qmatmul.read_manifest(workdir) is not None:
+    raise UserError(f"--workdir {workdir} is already quantized: quantize the float run it came from")
+  if os.path.exists(os.path.join(out, "config.json")) or os.path.isdir(os.path.join(out, "checkpoints")):
+    raise UserError(f"--out {out} already holds a run: choose a new directory")
+  cfg, _, params, _, meta = evaluate.load_run(workdir, step=step, log=lambda *_: None, scan_layers=False)
+  float_bytes = tree_bytes(params)
+  qparams, manifest = quantize_params(params, cfg.model, bits, group_size, embedding)
+  paths = manifest["kernels"]
+  kernel_float = sum(np.asarray(_get(params, p)).nbytes for p in paths)
+  kernel_q = sum(np.asarray(x).nbytes for p in paths for x in _quantized_leaves(qparams, p))
+  os.makedirs(out, exist_ok=True)
+  tok = evaluate.tasks.tokenizer_path(cfg, workdir)
+  if tok != "byte" and os.path.exists(tok) and os.path.dirname(os.path.abspath(tok)) == os.path.abspath(workdir):
+    shutil.copy2(tok, os.path.join(out, os.path.basename(tok)))
+  for name in ("hf_config.json", "hf_generation_config.json"):
+    if os.path.exists(os.path.join(workdir, name)):
+      shutil.copy2(os.path.join(workdir, name), os.path.join(out, name))
+  manifest.update(source=os.path.abspath(workdir), step=meta.get("step"))
+  qmeta = {k: v for k, v in meta.items() if k not in ("lora_base", "lora_base_step")}
+  checkpoint_lib.save_params(out, qparams, step=meta.get("step") or 0, meta={**qmeta, "quantized": f"int{bits}"})
+  qcfg = config_lib.replace(cfg, **{"model.scan_layers": False, "train.lora_rank": 0})
+  with open(os.path.join(out, "config.json"), "w") as f:
+    f.write(config_lib.to_json(qcfg))
+  with open(os.path.join(out, qmatmul.MANIFEST), "w") as f:
+    json.dump(manifest, f, indent=1)
+  log(f"quantized {len(paths)} weights of {workdir} (step {meta.get('step')}) to int{bits}"
+      + (f" (group {group_size})" if bits == 4 else "") + f" -> {out}: those weights "
+      f"{kernel_float / 2**20:.1f} -> {kernel_q / 2**20:.1f} MiB ({kernel_q / kernel_float:.3f}x), all params "
+      f"{float_bytes / 2**20:.1f} -> {tree_bytes(qparams) / 2**20:.1f} MiB")
+  return manifest
+
+
+def _quantized_leaves(qparams, path):
+  *parents, leaf = path.split("/")
+  node = _get(qparams, "/".join(parents))
+  prefix = "" if leaf in ("kernel", "embedding") else f"{leaf}_"
+  return [node[prefix + "qkernel"], node[prefix + "qscale"]]
+
+
+@cli
+def main(argv=None):
+  parser = argparse.ArgumentParser(prog="python -m jaxformer.quantize", description=__doc__.split("\n")[0])
+  parser.add_argument("--workdir", required=True, help="a training (or converted) workdir")
+  parser.add_argument("--out", required=True, help="the new, quantized workdir")
+  parser.add_argument("--bits", type=int, required=True, choices=(8, 4))
+  parser.add_argument("--group-size", type=int, default=128, help="int4: inputs per scale (default 128)")
+  parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+  parser.add_argument("--embedding", default="int8", choices=("int8", "float"),
+                      help="the token embeddings and an untied output layer: int8 per row (default) or float32")
+  args = parser.parse_args(argv)
+  quantize_run(args.workdir, args.out, args.bits, args.group_size, args.step, args.embedding)
+
+
+if __name__ == "__main__":
+  main()

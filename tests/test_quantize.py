@@ -1,0 +1,232 @@
+"""Weight-only int8/int4 quantization: the formats against numpy, the CPU kernel against the XLA path,
+quantized workdirs through load_run/eval/generate against the float model of the dequantized weights."""
+
+import dataclasses
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxformer import checkpoint as checkpoint_lib
+from jaxformer import decode
+from jaxformer import evaluate
+from jaxformer import qkernel
+from jaxformer import qmatmul
+from jaxformer import quantize
+from jaxformer.errors import UserError
+
+QUIET = lambda *a, **k: None
+
+
+def _ref_int8(w):
+  """numpy reference, one output column at a time: q = round(w / s), s = max|w| / 127, back to s * q."""
+  out = np.empty_like(w.T)
+  for n in range(w.shape[1]):
+    col = w[:, n]
+    s = np.float32(np.abs(col).max() / np.float32(127)) if np.abs(col).max() > 0 else np.float32(1)
+    out[n] = np.clip(np.rint(col / s), -127, 127) * s
+  return out
+
+
+def _ref_int4(w, group):
+  """numpy reference, one (output, group) at a time: values -7..7 times max|w| / 7."""
+  k, n_out = w.shape
+  out = np.empty((n_out, k), np.float32)
+  for n in range(n_out):
+    for g in range(0, k, group):
+      chunk = w[g:g + group, n]
+      s = np.float32(np.abs(chunk).max() / np.float32(7)) if np.abs(chunk).max() > 0 else np.float32(1)
+      out[n, g:g + group] = np.clip(np.rint(chunk / s), -7, 7) * s
+  return out
+
+
+def test_int8_roundtrip_equals_numpy_reference():
+  rng = np.random.default_rng(0)
+  w = rng.standard_normal((37, 11)).astype(np.float32) * 0.05
+  w[:, 3] = 0  # an all-zero column keeps scale 1, not a division by zero
+  q, s = qmatmul.quantize_int8(w)
+  assert q.dtype == np.int8 and q.shape == (11, 37) and s.shape == (11,)
+  np.testing.assert_array_equal(np.asarray(qmatmul.dequantize(jnp.asarray(q), jnp.asarray(s))), _ref_int8(w))
+  assert np.abs(q).max() == 127  # the largest weight of a column maps to +-127
+
+
+@pytest.mark.parametrize("k,group", [(64, 16), (48, 48), (256, 128)])
+def test_int4_roundtrip_equals_numpy_reference(k, group):
+  rng = np.random.default_rng(1)
+  w = rng.standard_normal((k, 9)).astype(np.float32)
+  q, s = qmatmul.quantize_int4(w, group)
+  assert q.dtype == np.uint8 and q.shape == (9, k // 2) and s.shape == (9, k // group)
+  np.testing.assert_array_equal(np.asarray(qmatmul.dequantize(jnp.asarray(q), jnp.asarray(s))), _ref_int4(w, group))
+  # the packing itself: byte j holds k = 2j in its low nibble and 2j + 1 in its high one (two's complement)
+  values = np.asarray(qmatmul.unpack_int4(jnp.asarray(q)))
+  assert values.min() >= -7 and values.max() <= 7 and values.min() < 0
+  np.testing.assert_array_equal(q, ((values[:, 0::2] & 15) | ((values[:, 1::2] & 15) << 4)).astype(np.uint8))
+
+
+def _close(a, b, x, w):
+  """|a - b| within 1e-5 of sum |x| |w| (the scale of float32 accumulation error), elementwise."""
+  bound = 1e-5 * (np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T)
+  assert np.all(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)) <= bound + 1e-30)
+
+
+@pytest.mark.parametrize("m,k,n,bits,group", [(1, 768, 130, 8, 0), (3, 33, 17, 8, 0), (16, 257, 5, 8, 0),
+                                              (1, 96, 7, 4, 32), (5, 130, 9, 4, 130), (8, 64, 41, 4, 8),
+                                              (2, 6, 3, 4, 6)])
+def test_cpu_kernel_matches_xla_path(m, k, n, bits, group):
+  reason = qkernel.unavailable()
+  if reason:
+    pytest.skip(reason)
+  rng = np.random.default_rng(m * k + n)
+  w = rng.standard_normal((k, n)).astype(np.float32)
+  q, s = qmatmul.quantize_int8(w) if bits == 8 else qmatmul.quantize_int4(w, group)
+  x = rng.standard_normal((m, k)).astype(np.float32)
+  kernel = jax.jit(qkernel.call)(x, q, s)
+  xla = jax.jit(qmatmul.xla_matmul)(x, q, s)
+  dense = np.asarray(qmatmul.dequantize(jnp.asarray(q), jnp.asarray(s)))
+  _close(kernel, xla, x, dense)
+  _close(kernel, x.astype(np.float64) @ dense.T.astype(np.float64), x, dense)
+  assert "jaxformer_qmatmul" in jax.jit(qmatmul.matmul).lower(x, q, s).as_text()  # decode rows take the kernel
+
+
+def test_forced_fallback_runs_the_xla_path_and_says_why_once(monkeypatch, caplog):
+  monkeypatch.setitem(qkernel._STATE, "reason", "JAXFORMER_QKERNEL=off")
+  monkeypatch.setattr(qmatmul, "_LOGGED", set())
+  rng = np.random.default_rng(2)
+  w = rng.standard_normal((64, 24)).astype(np.float32)
+  x = rng.standard_normal((1, 64)).astype(np.float32)
+  for bits in (8, 4):
+    q, s = qmatmul.quantize_int8(w) if bits == 8 else qmatmul.quantize_int4(w, 32)
+    with caplog.at_level(logging.WARNING, logger="jaxformer.qmatmul"):
+      text = jax.jit(qmatmul.matmul).lower(x, q, s).as_text()
+      out = jax.jit(qmatmul.matmul)(x, q, s)
+    assert "jaxformer_qmatmul" not in text
+    np.testing.assert_array_equal(out, jax.jit(qmatmul.xla_matmul)(x, q, s))
+  lines = [r.getMessage() for r in caplog.records if "XLA path" in r.getMessage()]
+  assert lines == ["quantized matmul: XLA path on CPU (JAXFORMER_QKERNEL=off)"]
+
+
+def test_build_failure_is_a_reason_not_a_crash(monkeypatch, tmp_path):
+  monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+  monkeypatch.setenv("JAXFORMER_CACHE", str(tmp_path))
+  (tmp_path / "no-such-compiler").write_text("#!/bin/sh\necho 'broken compiler' >&2\nexit 1\n")
+  os.chmod(tmp_path / "no-such-compiler", 0o755)
+  reason = qkernel._load()
+  assert reason.startswith("the C++ kernel is unavailable: building qmatmul.cc failed: broken compiler")
+
+
+def _logits(model, params, ids):
+  return np.asarray(model.apply({"params": params}, ids))
+
+
+@pytest.mark.parametrize("name,bits,embedding", [("gpt2", 8, "int8"), ("gpt2", 4, "float"), ("llama", 8, "float"),
+                                                  ("llama", 4, "int8"), ("mixtral", 4, "int8")])
+def test_quantized_workdir_equals_the_dequantized_float_model(converted, tmp_path, name, bits, embedding):
+  workdir, cfg, model, params, _ = converted(name)
+  group = 16
+  out = str(tmp_path / "q")
+  manifest = quantize.quantize_run(workdir, out, bits, group, embedding=embedding, log=QUIET)
+  qcfg, qmodel, qparams, _, _ = evaluate.load_run(out, log=QUIET)
+  leaves = jax.tree.leaves(qparams)
+  assert any(x.dtype == (jnp.int8 if bits == 8 else jnp.uint8) for x in leaves)
+  assert not any("router" in p for p in manifest["kernels"])  # routing stays float32
+  tables = [p for p in manifest["kernels"] if p.endswith("/embedding") or p.startswith("logits/")]
+  assert all(manifest["kernels"][p]["bits"] == 8 for p in tables) and bool(tables) == (embedding == "int8")
+  if name == "mixtral":
+    assert any("experts" in v for v in manifest["kernels"].values())
+  reference = quantize.roundtrip_params(params, cfg.model, bits, group, embedding)
+  ids = (np.arange(2 * 12).reshape(2, 12) % (cfg.model.vocab_size - 3) + 3).astype(np.int32)
+  np.testing.assert_allclose(_logits(qmodel, qparams, ids), _logits(model, reference, ids), rtol=1e-4, atol=1e-4)
+  # the quantization did something: the float model's logits differ from the dequantized one's
+  assert np.abs(_logits(model, params, ids) - _logits(model, reference, ids)).max() > 1e-6
+  # the chunked loss (model.logits_chunk: the output weight dequantized) gives the unchunked NLL
+  from jaxformer import model as model_lib, tasks  # pylint: disable=g-import-not-at-top
+  chunked = model_lib.build_model(dataclasses.replace(qcfg.model, logits_chunk=8))
+  targets, weights = np.roll(ids, -1, axis=1), np.ones(ids.shape, np.float32)
+  nll = lambda m: float(tasks.model_loss(m, qparams, (ids,), None, True, targets, weights, 0.0)[1])
+  np.testing.assert_allclose(nll(chunked), nll(qmodel), rtol=1e-5)
+  # greedy decoding (batch 1: the CPU kernel when built) gives the float reference's tokens
+  prompt = [list(ids[0, :5])]
+  got = decode.generate(qmodel, qparams, prompt, 12, jax.random.key(0), temperature=0.0)
+  want = decode.generate(model, reference, prompt, 12, jax.random.key(0), temperature=0.0)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def _kernel_bytes(tree, paths, manifest=None):
+  total = 0
+  for p in paths:
+    *parents, leaf = p.split("/")
+    node = quantize._get(tree, "/".join(parents))
+    if manifest is None:
+      total += np.asarray(node[leaf]).nbytes
+    else:
+      total += sum(np.asarray(x).nbytes for x in quantize._quantized_leaves(tree, p))
+  return total
+
+
+@pytest.mark.parametrize("bits,limit", [(8, 0.27), (4, 0.15)])
+def test_bytes_of_checkpoint_and_decode_program(bits, limit, tmp_path):
+  """The quantized kernels' bytes (in the params, hence the checkpoint) and in XLA's view of the
+  decode step's arguments: at most 0.27x (int8) / 0.15x (int4) of float32."""
+  from jaxformer import config as config_lib  # pylint: disable=g-import-not-at-top
+  from jaxformer import model as model_lib  # pylint: disable=g-import-not-at-top
+  cfg = config_lib.load_config("gpt2_tiny", ["model.d_model=256", "model.d_ff=1024", "model.num_heads=4"]).model
+  model = model_lib.build_model(cfg)
+  ids = jnp.ones((1, 8), jnp.int32)
+  params = jax.tree.map(np.asarray, jax.jit(model.init)(jax.random.key(0), ids)["params"])
+  params = jax.tree.map(lambda x: getattr(x, "value", x), params, is_leaf=lambda x: hasattr(x, "value"))
+  qparams, manifest = quantize.quantize_params(params, cfg, bits, 128)
+  paths = list(manifest["kernels"])
+  float_k, quant_k = _kernel_bytes(params, paths), _kernel_bytes(qparams, paths, manifest)
+  assert quant_k <= limit * float_k
+  for name, tree in (("float", params), ("quantized", qparams)):
+    checkpoint_lib.save_params(str(tmp_path / name), tree)
+  disk = lambda d: sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(tmp_path / d) for f in fs)
+  # on disk (kernels ~97% of this model's params), against the float32 bytes; orbax compresses the
+  # float checkpoint a little (random normals), the quantized one hardly
+  total = quantize.tree_bytes(params)
+  assert disk("float") > 0.9 * total and disk("quantized") <= limit * total
+
+  cache = decode.init_cache(model, 1, 32)
+  step = jax.jit(lambda p, c, t: model.apply({"params": p, "cache": c}, t, decode=True, mutable=["cache"]))
+  arg_bytes = lambda p: step.lower(p, cache, ids[:, :1]).compile().memory_analysis().argument_size_in_bytes
+  saved = arg_bytes(params) - arg_bytes(qparams)
+  assert saved >= (1 - limit) * float_k  # XLA receives the int8/int4 bytes: the kernels' float bytes are gone
+
+
+def test_checkpoint_on_disk_and_refusals(converted, tmp_path):
+  workdir, cfg, _, _, _ = converted("llama")
+  out = str(tmp_path / "q8")
+  quantize.quantize_run(workdir, out, 8, log=QUIET)
+  with pytest.raises(UserError, match="already quantized"):
+    quantize.quantize_run(out, str(tmp_path / "again"), 8, log=QUIET)
+  with pytest.raises(UserError, match="already holds a run"):
+    quantize.quantize_run(workdir, out, 8, log=QUIET)
+  with pytest.raises(UserError, match="--group-size"):
+    quantize.quantize_run(workdir, str(tmp_path / "odd"), 4, 7, log=QUIET)
+  from jaxformer.convert import hf_out  # pylint: disable=g-import-not-at-top
+  with pytest.raises(UserError, match="quantized run"):
+    hf_out.to_hf(out, str(tmp_path / "hf"))
+  with pytest.raises(UserError, match="average"):
+    evaluate.load_run(out, average_last=2, log=QUIET)
+  assert checkpoint_lib.Checkpointer(out, max_to_keep=None, async_save=False, log=QUIET).all_steps()
+
+
+def test_commands_on_a_quantized_workdir(converted, tmp_path, capsys):
+  """`python -m jaxformer.quantize` then `python -m jaxformer.generate` on its output: greedy text equal to
+  the float model of the dequantized weights; a bad flag is a one-line error."""
+  from jaxformer import config as config_lib, generate  # pylint: disable=g-import-not-at-top
+  workdir, cfg, model, params, tok = converted("gpt2")
+  out = str(tmp_path / "q4")
+  quantize.main(["--workdir", workdir, "--out", out, "--bits", "4", "--group-size", "16"])
+  got = generate.main(["--workdir", out, "--prompt", "hello", "--temperature", "0", "--max-new-tokens", "8"])
+  reference = quantize.roundtrip_params(params, cfg.model, 4, 16)
+  greedy = config_lib.replace(cfg, **{"decode.temperature": 0.0, "decode.max_new_tokens": 8})
+  assert got == generate.generate_text(model, reference, tok, greedy, ["hello"]) and got[0]
+  capsys.readouterr()
+  with pytest.raises(SystemExit) as e:
+    quantize.main(["--workdir", workdir, "--out", str(tmp_path / "bad"), "--bits", "4", "--group-size", "7"])
+  err = capsys.readouterr().err.strip()
+  assert e.value.code == 2 and "\n" not in err and err.startswith("error: --group-size 7"), err
