@@ -279,3 +279,19 @@ def test_chat_rendering_with_and_without_the_generation_prompt(converted):
   assert opened == head + "<|start_header_id|>assistant<|end_header_id|>\n\nThe answer is"
   assert lm.tok_encode(opened)[0] == lm.tok.bos_id and lm.tok_encode(opened)[1] != lm.tok.bos_id  # BOS once
   assert lm.chat_template(True) == LLAMA3_TEMPLATE and lm.chat_template(False) is None
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quantized_workdir_scores_as_its_dequantized_float_model(converted, tmp_path, bits):
+  from jaxformer import quantize  # pylint: disable=g-import-not-at-top
+  workdir, cfg, model, params, tok = converted("llama")
+  quantize.quantize_run(workdir, str(tmp_path / "q"), bits, group_size=32, log=lambda *a: None)
+  lm = harness.JaxformerLM(str(tmp_path / "q"), batch_size=2)
+  reference = quantize.roundtrip_params(jax.device_get(params), cfg.model, bits, group_size=32)
+  context = lm.tok_encode("Question: which season follows winter?\nAnswer:")
+  conts = [tok.encode(" spring"), tok.encode(" the night"), tok.encode(" A")]
+  got = lm._loglikelihood_tokens([(None, context, c) for c in conts])
+  for c, (logp, is_greedy) in zip(conts, got):
+    want_logp, want_greedy = _brute_force_logp(model, reference, context, c)
+    assert logp == pytest.approx(want_logp, abs=1e-4) and is_greedy == want_greedy
+    assert logp != pytest.approx(_brute_force_logp(model, params, context, c)[0], abs=1e-4)  # the weights changed
