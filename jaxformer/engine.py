@@ -139,7 +139,7 @@ class Engine:
     self._lock = threading.Lock()
     self._wake = threading.Condition(self._lock)
     self._ids = itertools.count()
-    self._step_fn = jax.jit(functools.partial(_step, model, block_size), donate_argnums=(1,))
+    self._step_fn = _step_program(model, block_size)
     self._thread, self._stop = None, False
     self.stats = collections.Counter()                 # prompt/cached/generated tokens, steps, outcomes
 
@@ -315,11 +315,11 @@ class Engine:
         self._emit(r, *(x[b] for x in out))
 
   def step(self):
-    """One engine step: admit waiting requests, end cancelled ones, a prefill chunk, a decode step."""
-    self._admit()
+    """One engine step: end cancelled requests, admit waiting ones, a prefill chunk, a decode step."""
     for r in list(self.slots):
       if r is not None and r.cancel_reason:
         self._finish(r, r.cancel_reason)
+    self._admit()
     self._prefill()
     self._decode()
     self.stats["steps"] += 1
@@ -365,6 +365,13 @@ class Engine:
       self._wake.notify()
     if self._thread:
       self._thread.join()
+
+
+@functools.lru_cache(maxsize=8)
+def _step_program(model, block_size):
+  """The jitted `_step` for a model and block size, shared by the engines of a process (one compile per shape);
+  the pool is donated, so the scatter updates it in place."""
+  return jax.jit(functools.partial(_step, model, block_size), donate_argnums=(1,))
 
 
 def _step(model, block_size, params, kv, tokens, n_real, history, tables, temperature, top_k, top_p, seed, index):
