@@ -329,6 +329,8 @@ def make_app(server, drain_s=30.0):
         if any(not 0 <= t < server.engine.model.cfg.vocab_size for p in prompts for t in p):
           raise BadRequest(f"'prompt' token ids must be in [0, {server.engine.model.cfg.vocab_size})", "prompt")
         stop_ids = [server.tokenizer.eos_id] if server.tokenizer.eos_id is not None else []
+        if _field(body, "ignore_eos", (bool,), False):   # vLLM's extension, for load tests: always max_tokens
+          stop_ids = []
         logprobs = _field(body, "logprobs", (int,), 0, lambda v: 0 <= v <= 5, "between 0 and 5")
         k = logprobs
         echo = _field(body, "echo", (bool,), False)
