@@ -9,7 +9,7 @@
 `load` sends `--num-requests` streamed completions (token-id prompts, `ignore_eos`, so every request
 generates exactly its output length) either from `--concurrency` closed-loop clients or as Poisson
 arrivals at `--rate` requests/s; prompt and output lengths are uniform within +-spread of their means
-(seeded). It prints requests/s, output tokens/s, time to first token (TTFT) and time per output token
+(seeded) and rounded to multiples of `--quantum`. It prints requests/s, output tokens/s, time to first token (TTFT) and time per output token
 after the first (TPOT) at p50 and p99. `sequential` runs the same requests one after another through
 `jaxformer.generate.generate_ids` (each shape compiled before the clock starts) and prints the same
 throughput. `prefix` measures TTFT with a shared `--system-len`-token system prompt: a miss (a new
@@ -58,7 +58,9 @@ def make_workdir(args):
 def requests(args, vocab=50257):
   """[(prompt ids, output length)] drawn with --seed."""
   rng = np.random.default_rng(args.seed)
-  lengths = lambda mean, n: np.maximum(1, rng.integers(int(mean * (1 - args.spread)), int(mean * (1 + args.spread)) + 1, n))
+  def lengths(mean, n):  # rounded to multiples of --quantum: fewer shapes for `sequential` to compile
+    drawn = rng.integers(int(mean * (1 - args.spread)), int(mean * (1 + args.spread)) + 1, n)
+    return np.maximum(args.quantum, np.round(drawn / args.quantum).astype(int) * args.quantum)
   prompt_lens, output_lens = lengths(args.prompt_len, args.num_requests), lengths(args.output_len, args.num_requests)
   return [(rng.integers(3, vocab, p).tolist(), int(o)) for p, o in zip(prompt_lens, output_lens)]
 
@@ -173,6 +175,7 @@ def main():
   parser.add_argument("--prompt-len", type=int, default=64)
   parser.add_argument("--output-len", type=int, default=48)
   parser.add_argument("--spread", type=float, default=0.5, help="lengths uniform in mean x (1 +- spread)")
+  parser.add_argument("--quantum", type=int, default=16, help="lengths are multiples of this")
   parser.add_argument("--system-len", type=int, default=512)
   parser.add_argument("--user-len", type=int, default=32)
   parser.add_argument("--rounds", type=int, default=8)

@@ -312,11 +312,20 @@ def sample_rows(logits, keys, temperature, top_k, top_p):
   """`_sample` with settings per row (the serving engine): logits [rows, vocab], keys [rows] (one PRNG key
   each), temperature / top_k / top_p [rows] -> tokens [rows]. A row at temperature 0 is greedy; otherwise
   it draws as `_sample` draws for a batch of one row with that key, so its samples follow its seed only."""
-  t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
-  filtered = top_k_filter(logits / t, top_k[:, None])
-  filtered = jnp.where(top_p[:, None] < 1.0, top_p_filter(filtered, top_p[:, None]), filtered)
-  sampled = jax.vmap(lambda key, row: jax.random.categorical(key, row[None])[0])(keys, filtered)
-  return jnp.where(temperature > 0, sampled.astype(jnp.int32), jnp.argmax(logits, -1).astype(jnp.int32))
+  greedy = jnp.argmax(logits, -1).astype(jnp.int32)
+
+  def sample():
+    # Each filter sorts the vocabulary (slow on CPU: [16, 50257] takes longer than GPT-2's step), so each
+    # runs only when some row asks for it; a row that does not keeps its logits.
+    t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    scaled = logits / t
+    filtered = jax.lax.cond(jnp.any(top_k > 0), lambda: top_k_filter(scaled, top_k[:, None]), lambda: scaled)
+    filtered = jax.lax.cond(jnp.any(top_p < 1.0), lambda: jnp.where(
+        top_p[:, None] < 1.0, top_p_filter(filtered, top_p[:, None]), filtered), lambda: filtered)
+    sampled = jax.vmap(lambda key, row: jax.random.categorical(key, row[None])[0])(keys, filtered)
+    return jnp.where(temperature > 0, sampled.astype(jnp.int32), greedy)
+
+  return jax.lax.cond(jnp.any(temperature > 0), sample, lambda: greedy)
 
 
 def _lm_step(model, params, cache, tokens, segment, position):

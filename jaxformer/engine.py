@@ -259,8 +259,9 @@ class Engine:
   def _run(self, requests, tokens, n_real, history):
     """One program call over rows `requests` (None: an idle row) -> per row (token, logprob, top ids, top logprobs)."""
     tables = np.stack([self._table(r) if r else np.zeros(self.blocks_per_seq, np.int32) for r in requests])
+    want = np.bool_(any(r is not None and r.params.logprobs for r in requests))
     out, self.kv = self._step_fn(self.params, self.kv, tokens, n_real, history, tables,
-                                 *self._sampling_rows(requests))
+                                 *self._sampling_rows(requests), want)
     return jax.device_get(out)
 
   def _emit(self, request, token, logprob, top_ids, top_logprobs):
@@ -371,7 +372,8 @@ def _step_program(model, block_size):
   return jax.jit(functools.partial(_step, model, block_size), donate_argnums=(1,))
 
 
-def _step(model, block_size, params, kv, tokens, n_real, history, tables, temperature, top_k, top_p, seed, index):
+def _step(model, block_size, params, kv, tokens, n_real, history, tables, temperature, top_k, top_p, seed, index,
+          want_logprobs):
   """One engine program: rows' chunks through the model over their gathered blocks -> samples, new pool.
 
   tokens [rows, chunk] (each row's n_real [rows] real tokens at the end, left-padded), history [rows]
@@ -431,6 +433,9 @@ def _step(model, block_size, params, kv, tokens, n_real, history, tables, temper
   keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(seed, index)
   token = decode.sample_rows(logits, keys, temperature, top_k, top_p)
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
-  top_logp, top_ids = jax.lax.top_k(logp, min(TOP_LOGPROBS, logp.shape[-1]))
   chosen = jnp.take_along_axis(logp, token[:, None], 1)[:, 0]
+  k = min(TOP_LOGPROBS, logp.shape[-1])
+  top_logp, top_ids = jax.lax.cond(  # a top-k over the vocabulary only when some row asks for logprobs
+      want_logprobs, lambda: tuple(jax.lax.top_k(logp, k)),
+      lambda: (jnp.zeros((rows, k), logp.dtype), jnp.zeros((rows, k), jnp.int32)))
   return (token, chosen, top_ids, top_logp), new_kv
