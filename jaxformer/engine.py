@@ -133,6 +133,10 @@ class Engine:
     self.prefill_chunk = prefill_chunk
     self.buckets = sorted({min(prefill_chunk, min_chunk * 2 ** i)
                            for i in range(max(1, int(np.ceil(np.log2(max(prefill_chunk / min_chunk, 1)))) + 1))})
+    # Decode gathers each row's history into one of a few widths (blocks): the smallest that holds the
+    # longest row, so a batch of short requests does not copy max_seq_len slots per row per layer.
+    self.history_buckets = sorted({min(self.blocks_per_seq, max(1, 32 // block_size) * 2 ** i)
+                                   for i in range(int(np.ceil(np.log2(max(self.blocks_per_seq, 1)))) + 1)})
     self.kv = self._init_kv(kv_blocks + 1)            # + the scratch block
     self.slots = [None] * max_batch
     self.waiting = collections.deque()
@@ -256,9 +260,11 @@ class Engine:
             np.array([x.top_p for x in p], np.float32), np.array([x.seed for x in p], np.int32),
             np.array([len(r.output) if r else 0 for r in requests], np.int32))
 
-  def _run(self, requests, tokens, n_real, history):
-    """One program call over rows `requests` (None: an idle row) -> per row (token, logprob, top ids, top logprobs)."""
+  def _run(self, requests, tokens, n_real, history, width=None):
+    """One program call over rows `requests` (None: an idle row), their histories gathered into `width`
+    blocks (default: all) -> per row (token, logprob, top ids, top logprobs)."""
     tables = np.stack([self._table(r) if r else np.zeros(self.blocks_per_seq, np.int32) for r in requests])
+    tables = tables[:, :width or self.blocks_per_seq]
     want = np.bool_(any(r is not None and r.params.logprobs for r in requests))
     out, self.kv = self._step_fn(self.params, self.kv, tokens, n_real, history, tables,
                                  *self._sampling_rows(requests), want)
@@ -283,22 +289,24 @@ class Engine:
       request.on_event(request)
 
   def _prefill(self):
-    """Runs up to `prefill_chunk` prompt tokens of the requests still prefilling, one chunk per call."""
+    """Runs up to `prefill_chunk` prompt tokens of the requests still prefilling, in bucket-sized calls."""
     budget = self.prefill_chunk
     for request in [r for r in self.slots if r is not None and r.computed < len(r.prompt)]:
-      if budget <= 0:
-        break
-      n = min(len(request.prompt) - request.computed, budget)
-      bucket = next(b for b in self.buckets if b >= n)
-      tokens = np.zeros((1, bucket), np.int32)
-      tokens[0, bucket - n:] = request.prompt[request.computed:request.computed + n]   # left-padded
-      out = self._run([request], tokens, np.array([n], np.int32), np.array([request.computed], np.int32))
-      request.computed += n
-      budget -= n
-      self.stats["prefilled_tokens"] += n
-      for i in range(request.cached_tokens // self.block_size, request.computed // self.block_size):
-        if i < len(request.keys):
-          self.pool.register(request.blocks[i], request.keys[i])
+      while budget > 0 and request.computed < len(request.prompt):
+        n = min(len(request.prompt) - request.computed, budget)
+        # The largest bucket that fits takes a chunk without padding (80 tokens: 64, then 16 in this step);
+        # only a remainder below the smallest bucket is padded.
+        bucket = max([b for b in self.buckets if b <= n], default=self.buckets[0])
+        n = min(n, bucket)
+        tokens = np.zeros((1, bucket), np.int32)
+        tokens[0, bucket - n:] = request.prompt[request.computed:request.computed + n]   # left-padded
+        out = self._run([request], tokens, np.array([n], np.int32), np.array([request.computed], np.int32))
+        request.computed += n
+        budget -= n
+        self.stats["prefilled_tokens"] += n
+        for i in range(request.cached_tokens // self.block_size, request.computed // self.block_size):
+          if i < len(request.keys):
+            self.pool.register(request.blocks[i], request.keys[i])
       if request.computed == len(request.prompt):
         self._emit(request, *(x[0] for x in out))
 
@@ -310,7 +318,8 @@ class Engine:
     tokens = np.array([[r.output[-1] if r else 0] for r in rows], np.int32)
     n_real = np.array([1 if r else 0 for r in rows], np.int32)
     history = np.array([r.computed if r else 0 for r in rows], np.int32)
-    out = self._run(rows, tokens, n_real, history)
+    width = next(w for w in self.history_buckets if w * self.block_size > history.max())
+    out = self._run(rows, tokens, n_real, history, width)
     for b, r in enumerate(rows):
       if r is not None:
         r.computed += 1
@@ -334,12 +343,14 @@ class Engine:
   # --------------------------------------------------------------------------- warm-up and thread
 
   def warm_up(self):
-    """Compiles every program the engine runs (each prefill bucket, the decode step) -> seconds taken.
+    """Compiles every program the engine runs (each prefill bucket; the decode step at each history width)
+    -> seconds taken.
     The rows write only the scratch block (n_real 0), so the pool is left as it was."""
     start = time.perf_counter()
-    for rows, width in [(1, b) for b in self.buckets] + [(self.max_batch, 1)]:
+    programs = [(1, b, None) for b in self.buckets] + [(self.max_batch, 1, w) for w in self.history_buckets]
+    for rows, chunk, width in programs:
       idle = [None] * rows
-      self._run(idle, np.zeros((rows, width), np.int32), np.zeros(rows, np.int32), np.zeros(rows, np.int32))
+      self._run(idle, np.zeros((rows, chunk), np.int32), np.zeros(rows, np.int32), np.zeros(rows, np.int32), width)
     return time.perf_counter() - start
 
   def start(self):
