@@ -81,6 +81,7 @@ class Request:
   finish_reason: str = None        # "stop", "length", "cancelled"
   slot: int = None
   blocks: list = dataclasses.field(default_factory=list)
+  keys: list = dataclasses.field(default_factory=list)      # prefix-cache keys of its full prompt blocks
   computed: int = 0                # tokens whose keys and values are in the pool
   cached_tokens: int = 0           # of them, read from the prefix cache
   cancel_reason: str = None
@@ -90,6 +91,7 @@ class Request:
 
   @property
   def finished(self):
+    """Whether it has ended (finish_reason set)."""
     return self.finish_reason is not None
 
 
@@ -205,9 +207,11 @@ class Engine:
       self._wake.notify()
 
   def has_work(self):
+    """Whether a request waits or runs."""
     return bool(self.waiting) or any(s is not None for s in self.slots)
 
   def running(self):
+    """Requests in a slot."""
     return sum(s is not None for s in self.slots)
 
   # --------------------------------------------------------------------------- scheduling
@@ -369,6 +373,7 @@ class Engine:
       self.step()
 
   def stop(self):
+    """Ends `start()`'s thread after its current step (requests still running stay as they are)."""
     with self._lock:
       self._stop = True
       self._wake.notify()

@@ -130,6 +130,7 @@ class Server:
     return self._template
 
   def metrics_text(self):
+    """(Prometheus text of every metric, its content type), the gauges read from the engine now."""
     import prometheus_client as prom  # pylint: disable=g-import-not-at-top
     e = self.engine
     self.m_running.set(e.running())
@@ -141,6 +142,7 @@ class Server:
     return prom.generate_latest(self.registry), prom.CONTENT_TYPE_LATEST
 
   def check_model(self, body):
+    """A BadRequest when the body names a model other than the one served (absent: the served one)."""
     model = body.get("model", self.model_name)
     if model != self.model_name:
       raise BadRequest(f"'model' {json.dumps(model)[:60]} is not served here: use {self.model_name!r} "
@@ -224,10 +226,12 @@ class Completion:
       self.server.m_tpot.observe((time.perf_counter() - self.first) / (n - 1))
 
   async def drain(self):
+    """Waits for the end (non-streamed responses)."""
     while await self.next() is not None:
       pass
 
   def cancel(self):
+    """Ends the engine request now (the client went away)."""
     if self.finish_reason is None:
       self.server.engine.cancel(self.request)
       self.finish_reason = "cancelled"
