@@ -274,7 +274,12 @@ def beam_search(model, params, inputs, beam_size=4, alpha=0.6, max_extra_len=50,
 
 
 def top_k_filter(logits, k):
-  """Keeps the k largest logits [..., vocab] (and ties with the k-th); the rest -> -inf. k <= 0: all."""
+  """Keeps the k largest logits [..., vocab] (and ties with the k-th); the rest -> -inf. k <= 0: all.
+
+  k: an int, or an int array [..., 1] (one k per row: the serving engine's rows sample differently)."""
+  if not isinstance(k, int):
+    kth = jnp.take_along_axis(-jnp.sort(-logits, axis=-1), jnp.clip(k - 1, 0, logits.shape[-1] - 1), -1)
+    return jnp.where((k > 0) & (logits < kth), -jnp.inf, logits)
   if k <= 0 or k >= logits.shape[-1]:
     return logits
   kth = jax.lax.top_k(logits, k)[0][..., -1:]
@@ -301,6 +306,26 @@ def _sample(logits, rng, temperature, top_k, top_p, greedy, nucleus):
   if nucleus:  # a sort per step: only when asked for
     logits = top_p_filter(logits, top_p)
   return jax.random.categorical(rng, logits).astype(jnp.int32)
+
+
+def sample_rows(logits, keys, temperature, top_k, top_p):
+  """`_sample` with settings per row (the serving engine): logits [rows, vocab], keys [rows] (one PRNG key
+  each), temperature / top_k / top_p [rows] -> tokens [rows]. A row at temperature 0 is greedy; otherwise
+  it draws as `_sample` draws for a batch of one row with that key, so its samples follow its seed only."""
+  greedy = jnp.argmax(logits, -1).astype(jnp.int32)
+
+  def sample():
+    # Each filter sorts the vocabulary (slow on CPU: [16, 50257] takes longer than GPT-2's step), so each
+    # runs only when some row asks for it; a row that does not keeps its logits.
+    t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    scaled = logits / t
+    filtered = jax.lax.cond(jnp.any(top_k > 0), lambda: top_k_filter(scaled, top_k[:, None]), lambda: scaled)
+    filtered = jax.lax.cond(jnp.any(top_p < 1.0), lambda: jnp.where(
+        top_p[:, None] < 1.0, top_p_filter(filtered, top_p[:, None]), filtered), lambda: filtered)
+    sampled = jax.vmap(lambda key, row: jax.random.categorical(key, row[None])[0])(keys, filtered)
+    return jnp.where(temperature > 0, sampled.astype(jnp.int32), greedy)
+
+  return jax.lax.cond(jnp.any(temperature > 0), sample, lambda: greedy)
 
 
 def _lm_step(model, params, cache, tokens, segment, position):

@@ -48,12 +48,18 @@ def generate_text(model, params, tokenizer, cfg, prompts, max_new_tokens=None, t
   temperature = d.temperature if temperature is None else temperature
   top_k = d.top_k if top_k is None else top_k
   top_p = d.top_p if top_p is None else top_p
-  bos = [tokenizer.bos_id] if cfg.data.add_bos else []  # Llama's text starts with BOS: the prefix's, else each prompt's
-  prefix_ids = bos + tokenizer.encode(prefix) if prefix else []
-  ids = [([] if prefix else bos) + tokenizer.encode(p) or [tokenizer.bos_id] for p in prompts]
+  # Llama's text starts with BOS: the prefix's, else each prompt's
+  prefix_ids = encode_prompt(tokenizer, cfg, prefix) if prefix else []
+  ids = [encode_prompt(tokenizer, cfg, p, bos=not prefix) for p in prompts]
   tokens = generate_ids(model, params, cfg, ids, prefix_ids, max_new_tokens, temperature, top_k, top_p, seed,
                         tokenizer.eos_id if stop_at_eos else None, log)
   return [tokenizer.decode(np.asarray(row)) for row in tokens]
+
+
+def encode_prompt(tokenizer, cfg, text, bos=True):
+  """The ids (list of int) of a raw-text prompt: BOS first under data.add_bos (unless bos=False: it follows
+  a prefix), and BOS alone for an empty text."""
+  return ([tokenizer.bos_id] if bos and cfg.data.add_bos else []) + tokenizer.encode(text) or [tokenizer.bos_id]
 
 
 def generate_ids(model, params, cfg, ids, prefix_ids, max_new_tokens, temperature, top_k, top_p, seed, stop_ids, log):

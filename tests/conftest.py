@@ -162,7 +162,7 @@ def window_by_window_nll(model, params, ids, block):
 # pytest-dev/pytest-xdist#1386. Before this, test_multihost's 2-minute chain ran on both workers.)
 ONE_WORKER = {"test_chat", "test_chat_tools", "test_cli", "test_convert", "test_convert_mixtral", "test_data",
               "test_dpo", "test_faults", "test_layout", "test_lora", "test_multihost", "test_prepare",
-              "test_reliability", "test_sharding", "test_train"}
+              "test_reliability", "test_serve", "test_sharding", "test_train"}
 
 
 def pytest_xdist_make_scheduler(config, log):

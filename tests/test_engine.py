@@ -1,0 +1,193 @@
+"""Tests for jaxformer.engine and jaxformer.kv_pool: the serving engine against decode.generate, no server."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxformer import decode
+from jaxformer import engine as engine_lib
+from jaxformer import kv_pool
+from jaxformer.config import load_config
+from jaxformer.errors import UserError
+from jaxformer.model import build_model
+
+
+@functools.lru_cache(None)
+def _setup(name, overrides=()):
+  """A tiny model with random N(0, 0.2) weights and a scaled last norm (peaky logits: argmax never hinges
+  on float noise), as tests/test_decode.py builds them."""
+  cfg = load_config(name, ["model.dropout_rate=0", *overrides]).model
+  model = build_model(cfg)
+  shapes = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), jnp.ones((1, 4), jnp.int32)))["params"])
+  rng = np.random.default_rng(0)
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, s: {"scale": jnp.ones, "bias": jnp.zeros}.get(path[-1].key, lambda shape: jnp.asarray(
+          rng.normal(0.0, 0.2, shape), jnp.float32))(s.shape), shapes)
+  params["decoder"]["final_norm"]["scale"] = params["decoder"]["final_norm"]["scale"] * 5.0
+  return model, params
+
+
+def _reference(model, params, prompts, n, stop_ids=None, temperature=0.0, seed=0, top_k=0):
+  """decode.generate's n tokens for a batch of prompts (one program), each row cut after its stop id
+  (generate pads after it). Sampled rows depend on the batch: compare a batch of one there."""
+  rows = np.asarray(decode.generate(model, params, prompts, n, jax.random.PRNGKey(seed), temperature=temperature,
+                                    top_k=top_k, eos_id=stop_ids)).tolist()
+  stops = [] if stop_ids is None else np.atleast_1d(stop_ids).tolist()
+  return [next((row[:k + 1] for k, t in enumerate(row) if t in stops), row) for row in rows]
+
+
+def _prompts(vocab, lengths, seed=1):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(3, vocab, n).tolist() for n in lengths]
+
+
+MODELS = {"gpt2-learned-mha": ("gpt2_tiny", ()), "llama-rope-gqa-scan": ("llama_tiny", ("model.scan_layers=true",))}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_greedy_equals_generate_alone_and_batched(name):
+  """Greedy tokens equal decode.generate's token for token, a request alone and 10 of mixed lengths
+  (chunked prompts, more requests than slots) at once; no program is compiled after warm-up."""
+  model, params = _setup(*MODELS[name])
+  eng = engine_lib.Engine(model, params, max_batch=4, block_size=8, max_seq_len=64, prefill_chunk=16)
+  eng.warm_up()
+  assert eng.history_buckets == [4, 8]      # decode gathers 32 or 64 slots per row: both run below
+  compiled = engine_lib.compilations()
+  lengths = (5, 17, 30, 1, 40, 9, 23, 3, 33, 12)
+  prompts = _prompts(model.cfg.vocab_size, lengths)
+  new = [12, 7, 20, 15, 9, 24, 5, 11, 16, 8]
+  alone = eng.submit(prompts[2], engine_lib.SamplingParams(max_tokens=new[2]))
+  eng.run_until_done()
+  requests = [eng.submit(p, engine_lib.SamplingParams(max_tokens=n)) for p, n in zip(prompts, new)]
+  eng.run_until_done()
+  assert engine_lib.compilations() == compiled
+  assert eng.stats["steps"] > max(new)      # more requests than slots: they joined as others left
+  assert eng.pool.used() == 0
+  expected = [row[:n] for row, n in zip(_reference(model, params, prompts, max(new)), new)]
+  assert alone.output == expected[2]
+  assert [r.output for r in requests] == expected
+  assert all(r.finish_reason == "length" for r in requests)
+
+
+def test_stop_ids_sampling_and_logprobs():
+  """A stop id ends a request (kept as its last token); a sampled request follows its seed as a batch of one
+  does in decode.generate, whatever else runs; logprobs are the log-softmax of the model's logits."""
+  model, params = _setup("gpt2_tiny")
+  eng = engine_lib.Engine(model, params, max_batch=3, block_size=8, max_seq_len=64, prefill_chunk=16)
+  prompt = _prompts(model.cfg.vocab_size, [11])[0]
+  greedy = _reference(model, params, [prompt], 16)[0]
+  stop = greedy[5]
+  r_stop = eng.submit(prompt, engine_lib.SamplingParams(max_tokens=16, stop_ids=(stop,)))
+  params_s = engine_lib.SamplingParams(max_tokens=16, temperature=0.8, top_k=5, seed=7, logprobs=3)
+  r_sample = eng.submit(prompt, params_s)
+  other = eng.submit(_prompts(model.cfg.vocab_size, [20], seed=5)[0], engine_lib.SamplingParams(max_tokens=9))
+  eng.run_until_done()
+  assert r_stop.finish_reason == "stop" and r_stop.output == greedy[:greedy.index(stop) + 1]
+  assert r_sample.output == _reference(model, params, [prompt], 16, temperature=0.8, seed=7, top_k=5)[0]
+  assert other.finish_reason == "length" and len(other.output) == 9
+  # logprobs: the chosen token's log-prob and the top 3, from a full forward pass (no cache) in numpy.
+  seq = prompt + r_sample.output
+  logits = np.asarray(model.apply({"params": params}, jnp.asarray([seq])))[0, len(prompt) - 1:-1]
+  logp = logits - logits.max(-1, keepdims=True)
+  logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+  for k, (chosen, top) in enumerate(r_sample.logprobs):
+    np.testing.assert_allclose(chosen, logp[k, r_sample.output[k]], atol=1e-4)
+    assert [t for t, _ in top] == np.argsort(-logp[k])[:3].tolist()
+    np.testing.assert_allclose([v for _, v in top], np.sort(logp[k])[::-1][:3], atol=1e-4)
+
+
+def test_prefix_cache_hit_equals_miss():
+  """A request sharing a 33-token prefix with a finished one reads its 4 full blocks from the cache, prefills
+  only the rest, and gives exactly the tokens of a cold run (a fresh engine)."""
+  model, params = _setup("llama_tiny")
+  make = lambda: engine_lib.Engine(model, params, max_batch=2, block_size=8, max_seq_len=64, prefill_chunk=16)
+  system, a, b = _prompts(model.cfg.vocab_size, [33, 6, 9])
+  warm = make()
+  warm.submit(system + a, engine_lib.SamplingParams(max_tokens=10))
+  warm.run_until_done()
+  before = warm.stats["prefilled_tokens"]
+  hit = warm.submit(system + b, engine_lib.SamplingParams(max_tokens=10))
+  warm.run_until_done()
+  assert hit.cached_tokens == 32
+  assert warm.stats["prefilled_tokens"] - before == len(system + b) - 32
+  cold = make()
+  miss = cold.submit(system + b, engine_lib.SamplingParams(max_tokens=10))
+  cold.run_until_done()
+  assert miss.cached_tokens == 0 and cold.stats["prefilled_tokens"] == len(system + b)
+  assert hit.output == miss.output == _reference(model, params, [system + b], 10)[0]
+
+
+def test_eviction_under_a_small_pool():
+  """A pool of 12 blocks serving prompts of 5 blocks each: cached prefixes are evicted least recently used
+  first, an evicted block is recomputed (a shorter hit), and every answer stays exact."""
+  model, params = _setup("gpt2_tiny")
+  eng = engine_lib.Engine(model, params, max_batch=2, kv_blocks=12, block_size=8, max_seq_len=64, prefill_chunk=32)
+  prompts = _prompts(model.cfg.vocab_size, [36, 36, 36], seed=3)
+  outs = []
+  for p in prompts + prompts[:1]:      # the third needs more blocks than are free: it evicts
+    r = eng.submit(p, engine_lib.SamplingParams(max_tokens=4))
+    eng.run_until_done()
+    outs.append((r.cached_tokens, r.output))
+  assert eng.pool.evictions > 0
+  assert [c for c, _ in outs] == [0, 0, 0, 24]   # the third took the first's tail block (evicted before its head)
+  again = eng.submit(prompts[0], engine_lib.SamplingParams(max_tokens=4))   # just cached: a hit
+  eng.run_until_done()
+  assert again.cached_tokens == 32
+  assert [out for _, out in outs] == _reference(model, params, prompts + prompts[:1], 4)
+  assert again.output == outs[0][1]
+
+
+def test_cancel_frees_slot_and_blocks():
+  """A cancelled request leaves at the next step: its slot goes to the waiting request, its blocks return."""
+  model, params = _setup("gpt2_tiny")
+  eng = engine_lib.Engine(model, params, max_batch=1, kv_blocks=20, block_size=8, max_seq_len=64, prefill_chunk=16)
+  first, second = _prompts(model.cfg.vocab_size, [10, 12])
+  r1 = eng.submit(first, engine_lib.SamplingParams(max_tokens=40))
+  r2 = eng.submit(second, engine_lib.SamplingParams(max_tokens=5))
+  for _ in range(3):
+    eng.step()
+  assert eng.slots[0] is r1 and len(r1.output) == 4 and eng.pool.used() == 7   # ceil((10 + 40 - 1) / 8)
+  eng.cancel(r1)
+  eng.step()
+  assert r1.finish_reason == "cancelled" and r1.blocks == [] and eng.slots[0] is r2
+  eng.run_until_done()
+  assert r2.output == _reference(model, params, [second], 5)[0] and eng.pool.used() == 0
+
+
+def test_limits():
+  """Requests that can never fit are refused with one line naming the limit; a full queue raises QueueFull."""
+  model, params = _setup("gpt2_tiny")
+  eng = engine_lib.Engine(model, params, max_batch=1, kv_blocks=4, block_size=8, max_seq_len=64, max_waiting=2)
+  with pytest.raises(UserError, match="past the context of 64 tokens"):
+    eng.submit([5] * 60, engine_lib.SamplingParams(max_tokens=10))
+  with pytest.raises(UserError, match="needs 5 KV blocks, the pool has 4"):
+    eng.submit([5] * 30, engine_lib.SamplingParams(max_tokens=10))
+  with pytest.raises(UserError, match="max_tokens must be at least 1"):
+    eng.submit([5], engine_lib.SamplingParams(max_tokens=0))
+  eng.submit([5], engine_lib.SamplingParams(max_tokens=2))
+  eng.submit([6], engine_lib.SamplingParams(max_tokens=2))
+  with pytest.raises(engine_lib.QueueFull):
+    eng.submit([7], engine_lib.SamplingParams(max_tokens=2))
+
+
+def test_block_pool_refcounts_and_lru():
+  """Shared blocks are counted per reader; unread cached blocks are evicted oldest first, tails before heads."""
+  pool = kv_pool.BlockPool(4, block_size=2)
+  keys = kv_pool.block_hashes([1, 2, 3, 4, 5], 2)
+  assert len(keys) == 2 and keys != kv_pool.block_hashes([9, 2, 3, 4], 2)
+  assert kv_pool.block_hashes([9, 2, 3, 4], 2)[1] != keys[1]          # chained: the second key sees the first block
+  a = pool.allocate(3)
+  pool.register(a[0], keys[0])
+  pool.register(a[1], keys[1])
+  assert pool.lookup(keys) == a[:2] and pool.refs[a[0]] == 2
+  pool.release(reversed(a))                   # a's reader leaves; the lookup's reader still holds a[0], a[1]
+  assert pool.used() == 2
+  pool.release(reversed(a[:2]))
+  assert pool.used() == 0 and pool.available() == 4
+  b = pool.allocate(3)                        # 2 free blocks, then the LRU cached one: the prefix's tail
+  assert pool.evictions == 1 and pool.lookup(keys) == [a[0]]
+  assert pool.allocate(1) is None and len(b) == 3

@@ -1,0 +1,280 @@
+"""Tests for `python -m jaxformer.serve`: a real server process on 127.0.0.1 driven by the official openai client."""
+
+import concurrent.futures
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from jaxformer import chat  # pylint: disable=g-import-not-at-top
+from jaxformer import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
+from jaxformer import config as config_lib  # pylint: disable=g-import-not-at-top
+from jaxformer import evaluate  # pylint: disable=g-import-not-at-top
+from jaxformer import generate  # pylint: disable=g-import-not-at-top
+from jaxformer import model as model_lib  # pylint: disable=g-import-not-at-top
+from jaxformer import tokenizer as tokenizer_lib  # pylint: disable=g-import-not-at-top
+
+TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\nAll: Speak, speak.\n"
+        "User: Assistant: What is your name? MENENIUS, VOLUMNIA, CORIOLANUS! qxzjk 0123456789\n")
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+  """A decoder-only workdir made by hand: gpt2_tiny (256 positions) with random params, a char tokenizer, the
+  built-in `plain` chat template."""
+  path = tmp_path_factory.mktemp("serve_run")
+  tok = tokenizer_lib.CharTokenizer.train([TEXT])
+  cfg = config_lib.load_config("gpt2_tiny", [f"model.vocab_size={tok.vocab_size}", "model.max_len=256",
+                                             "data.chat_template=plain"])
+  tok.save(str(path / "tokenizer.json"))
+  model = model_lib.build_model(cfg.model)
+  shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
+  rng = np.random.default_rng(0)  # random params without compiling an init; a peaky last norm: varied text
+  params = jax.tree.map(lambda s: np.asarray(rng.normal(0.0, 0.3, s.shape), s.dtype), nn.unbox(shapes))
+  params["decoder"]["final_norm"]["scale"] = np.full_like(params["decoder"]["final_norm"]["scale"], 4.0)
+  checkpoint_lib.save_params(str(path), params, step=1)
+  (path / "config.json").write_text(config_lib.to_json(cfg))
+  return str(path)
+
+
+def _start(workdir, *flags, env=None):
+  """Starts the server on a free port -> (process, base url); waits for its ready line."""
+  env = dict(os.environ, **(env or {}))
+  proc = subprocess.Popen([sys.executable, "-m", "jaxformer.serve", "--workdir", workdir, "--port", "0",
+                           "--max-seq-len", "256", "--prefill-chunk", "32", *flags],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+  line = proc.stdout.readline()
+  match = re.search(r"ready at (http://127\.0\.0\.1:\d+/v1)", line)
+  if not match:
+    proc.kill()
+    raise AssertionError(f"no ready line: {line!r} {proc.stderr.read()[-2000:]}")
+  threading.Thread(target=proc.stderr.read, daemon=True).start()   # keep the pipe drained
+  return proc, match.group(1)
+
+
+def _stop(proc):
+  if proc.poll() is None:
+    proc.kill()
+  proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(workdir):
+  """(base url, openai client) of a server with 4 slots."""
+  proc, url = _start(workdir, "--max-batch", "4")
+  try:
+    yield url, openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+  finally:
+    _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def local(workdir):
+  """(cfg, model, params, tokenizer) of the run, loaded in this process for references."""
+  cfg, model, params, tokenizer, _ = evaluate.load_run(workdir, log=lambda *a: None)
+  return cfg, model, params, tokenizer
+
+
+def _expected(local, prompts, n):
+  """jaxformer.generate's greedy continuations (text), all prompts in one batch."""
+  cfg, model, params, tokenizer = local
+  return generate.generate_text(model, params, tokenizer, cfg, prompts, max_new_tokens=n, temperature=0.0,
+                                top_k=0, top_p=1.0)
+
+
+def test_completions_greedy_equal_generate_alone_and_16_concurrent(server, local):
+  """Greedy text equals jaxformer.generate's, for one request and for 16 concurrent ones of mixed lengths
+  (4 slots: they queue and join as others leave); streamed equals not streamed; usage and finish_reason."""
+  url, client = server
+  prompts = [TEXT[k:k + 3 + 7 * k] for k in range(16)]
+  lengths = [5 + 3 * (k % 7) for k in range(16)]
+  expected = _expected(local, prompts, max(lengths))
+  one = client.completions.create(model=client.models.list().data[0].id, prompt=prompts[3], max_tokens=lengths[3],
+                                  temperature=0)
+  assert one.choices[0].text == expected[3][:lengths[3]]
+  assert one.choices[0].finish_reason == "length" and one.usage.completion_tokens == lengths[3]
+  assert one.usage.prompt_tokens == len(prompts[3])
+  model = one.model
+
+  def ask(k):
+    return client.completions.create(model=model, prompt=prompts[k], max_tokens=lengths[k], temperature=0)
+
+  with concurrent.futures.ThreadPoolExecutor(16) as pool:
+    answers = list(pool.map(ask, range(16)))
+  assert [a.choices[0].text for a in answers] == [e[:n] for e, n in zip(expected, lengths)]
+  stream = client.completions.create(model=model, prompt=prompts[5], max_tokens=lengths[5], temperature=0, stream=True)
+  chunks = list(stream)
+  assert "".join(c.choices[0].text for c in chunks) == answers[5].choices[0].text
+  assert chunks[-1].choices[0].finish_reason == "length"
+  with httpx.stream("POST", url + "/completions", json={"prompt": "All", "max_tokens": 3, "stream": True}) as r:
+    lines = [line for line in r.iter_lines() if line]
+  assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+  assert json.loads(lines[0][6:])["object"] == "text_completion"
+
+
+def test_chat_renders_as_jaxformer_chat(server, local, workdir):
+  """A chat answer equals `jaxformer.generate --chat`'s (chat_replies) greedy answer; prompt_tokens is the
+  length of chat.prompt_ids' rendering; streamed chunks start with the role and join to the same text."""
+  _, client = server
+  cfg, model, params, tokenizer = local
+  messages = [{"role": "system", "content": "Speak."}, {"role": "user", "content": "What is your name?"}]
+  expected = generate.chat_replies(model, params, tokenizer, cfg, workdir, [messages], max_new_tokens=24,
+                                   temperature=0.0, top_k=0, top_p=1.0)[0]
+  model_id = client.models.list().data[0].id
+  answer = client.chat.completions.create(model=model_id, messages=messages, max_tokens=24, temperature=0)
+  template, hf = generate.chat_template(cfg, workdir, tokenizer)
+  assert answer.usage.prompt_tokens == len(chat.prompt_ids(template, tokenizer, messages, cfg.data.add_bos, hf))
+  assert answer.choices[0].message.content == expected and answer.choices[0].message.role == "assistant"
+  chunks = list(client.chat.completions.create(model=model_id, messages=messages, max_tokens=24, temperature=0,
+                                               stream=True, stream_options={"include_usage": True}))
+  assert chunks[0].choices[0].delta.role == "assistant"
+  assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+  assert chunks[-1].usage.completion_tokens == answer.usage.completion_tokens
+
+
+def test_stop_n_seed_logprobs_echo(server, local):
+  """A stop string ends the text before it (finish_reason stop); n choices with a seed are reproducible;
+  logprobs list the chosen token (the top one when greedy) and its alternatives; echo prepends the prompt."""
+  _, client = server
+  model_id = client.models.list().data[0].id
+  full = client.completions.create(model=model_id, prompt="First", max_tokens=30, temperature=0).choices[0].text
+  stop = full[10:12]
+  cut = client.completions.create(model=model_id, prompt="First", max_tokens=30, temperature=0, stop=[stop, "@@"])
+  assert cut.choices[0].text == full[:full.index(stop)] and cut.choices[0].finish_reason == "stop"
+  streamed = client.completions.create(model=model_id, prompt="First", max_tokens=30, temperature=0, stop=stop,
+                                       stream=True)
+  assert "".join(c.choices[0].text for c in streamed) == full[:full.index(stop)]
+  many = lambda: client.completions.create(model=model_id, prompt="All", max_tokens=12, temperature=1.0, n=3, seed=5)
+  a, b = many(), many()
+  assert len(a.choices) == 3 and [c.index for c in a.choices] == [0, 1, 2]
+  assert [c.text for c in a.choices] == [c.text for c in b.choices]
+  assert len({c.text for c in a.choices}) > 1            # each choice its own draw
+  lp = client.completions.create(model=model_id, prompt="First", max_tokens=8, temperature=0, logprobs=3,
+                                 echo=True)
+  choice = lp.choices[0]
+  assert choice.text == "First" + full[:8]
+  assert "".join(choice.logprobs.tokens) == full[:8]
+  for token, value, top in zip(choice.logprobs.tokens, choice.logprobs.token_logprobs, choice.logprobs.top_logprobs):
+    assert len(top) == 3 and value <= 0 and max(top, key=top.get) == token and top[token] == pytest.approx(value)
+  chat_lp = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "Speak"}],
+                                           max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+  content = chat_lp.choices[0].logprobs.content
+  assert "".join(t.token for t in content) == chat_lp.choices[0].message.content
+  assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].token == t.token for t in content)
+
+
+def test_prefix_cache_hit_equals_miss(server, local):
+  """Two prompts sharing a 40-character prefix: the second reads its full blocks from the cache (the
+  /metrics hit rate rises) and its text equals jaxformer.generate's (a cold run)."""
+  url, client = server
+  model_id = client.models.list().data[0].id
+  shared = TEXT[:40]
+  first, second = shared + "Speak", shared + "MENENIUS"
+  hit_rate = lambda: float(re.search(r"^jaxformer_prefix_cache_hit_rate (\S+)$", httpx.get(url[:-3] + "/metrics").text,
+                                     re.M).group(1))
+  client.completions.create(model=model_id, prompt=first, max_tokens=4, temperature=0)
+  before = hit_rate()
+  hit = client.completions.create(model=model_id, prompt=second, max_tokens=12, temperature=0)
+  assert hit_rate() > before
+  assert hit.choices[0].text == _expected(local, [second], 12)[0]
+
+
+BAD = [  # (body, the param the error names)
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": "ten"}, "max_tokens"),
+    ({"prompt": "a", "temperature": -0.5}, "temperature"),
+    ({"prompt": "a", "top_p": 0}, "top_p"),
+    ({"prompt": "a", "top_p": 1.5}, "top_p"),
+    ({"prompt": "a", "n": 100}, "n"),
+    ({"prompt": "a" * 300, "max_tokens": 4}, "prompt"),
+    ({"prompt": "a", "model": "gpt-4"}, "model"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": "a", "stop": 3}, "stop"),
+]
+
+
+def test_bad_input_is_400_and_others_run_on(server, local):
+  """Each bad input is a 400 with OpenAI's error object naming the field, while a long request that runs
+  meanwhile completes unchanged; malformed JSON, an empty messages list, a body above the limit."""
+  url, client = server
+  model_id = client.models.list().data[0].id
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    running = pool.submit(client.completions.create, model=model_id, prompt="Before", max_tokens=120, temperature=0)
+    for body, param in BAD:
+      r = httpx.post(url + "/completions", json={"model": model_id, **body})
+      err = r.json()["error"]
+      assert r.status_code == 400 and err["param"] == param and err["type"] == "invalid_request_error", (body, err)
+      assert param in err["message"] and "\n" not in err["message"]
+    r = httpx.post(url + "/completions", content=b'{"prompt": "a",', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(url + "/chat/completions", json={"model": model_id, "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(url + "/completions", json={"prompt": "a" * (2 << 20)})
+    assert r.status_code == 413
+    assert running.result().choices[0].text == _expected(local, ["Before"], 120)[0]
+
+
+def test_models_health_metrics_and_no_compilation(server):
+  """/v1/models names the model, /health is ok, /metrics is Prometheus text whose compilation counter is
+  still 0 after every request of this module (all programs were compiled before the ready line)."""
+  url, client = server
+  assert client.models.list().data[0].id == "serve_run0"
+  assert httpx.get(url[:-3] + "/health").json()["status"] == "ok"
+  text = httpx.get(url[:-3] + "/metrics").text
+  for name in ("jaxformer_requests_total", "jaxformer_time_to_first_token_seconds_bucket",
+               "jaxformer_time_per_output_token_seconds_count", "jaxformer_kv_blocks_used", "jaxformer_kv_blocks_free",
+               "jaxformer_requests_running", "jaxformer_requests_waiting", "jaxformer_prompt_tokens_total"):
+    assert re.search(rf"^{name}", text, re.M), name
+  assert re.search(r"^jaxformer_xla_compilations_since_start 0\.0$", text, re.M)
+
+
+def test_key_queue_disconnect_and_sigterm_drain(workdir, local):
+  """One slot, one waiting place, an API key: 401 without the key; a third request gets 429 with Retry-After;
+  a streaming client that disconnects frees its slot for the next request; SIGTERM lets the running and
+  waiting requests finish, then the process exits 0."""
+  proc, url = _start(workdir, "--max-batch", "1", "--max-waiting", "1", "--api-key", "sesame", "--drain-s", "60")
+  try:
+    assert httpx.post(url + "/completions", json={"prompt": "a"}).status_code == 401
+    bad = httpx.get(url + "/models", headers={"Authorization": "Bearer nope"})
+    assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
+    client = openai.OpenAI(base_url=url, api_key="sesame", max_retries=0, timeout=120)
+    model_id = client.models.list().data[0].id
+    # A disconnecting stream: read two chunks, close; the next request must get the only slot.
+    stream = client.completions.create(model=model_id, prompt="First", max_tokens=250, temperature=0, stream=True)
+    for _, _ in zip(range(2), stream):
+      pass
+    stream.close()
+    quick = client.completions.create(model=model_id, prompt="All", max_tokens=3, temperature=0)
+    assert quick.choices[0].finish_reason == "length"
+    health = httpx.get(url[:-3] + "/health").json()
+    assert health["running"] == 0 and health["waiting"] == 0
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+      long = lambda: client.completions.create(model=model_id, prompt="Before", max_tokens=200, temperature=0)
+      first = pool.submit(long)
+      while httpx.get(url[:-3] + "/health").json()["running"] < 1:
+        time.sleep(0.05)
+      second = pool.submit(long)
+      while httpx.get(url[:-3] + "/health").json()["waiting"] < 1:
+        time.sleep(0.05)
+      full = httpx.post(url + "/completions", json={"prompt": "a"}, headers={"Authorization": "Bearer sesame"})
+      assert full.status_code == 429 and full.headers["retry-after"] == "1"
+      proc.send_signal(signal.SIGTERM)
+      texts = [first.result().choices[0], second.result().choices[0]]
+    assert [c.text for c in texts] == _expected(local, ["Before"] * 2, 200)
+    assert proc.wait(timeout=60) == 0
+  finally:
+    _stop(proc)
