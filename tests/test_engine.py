@@ -191,3 +191,20 @@ def test_block_pool_refcounts_and_lru():
   b = pool.allocate(3)                        # 2 free blocks, then the LRU cached one: the prefix's tail
   assert pool.evictions == 1 and pool.lookup(keys) == [a[0]]
   assert pool.allocate(1) is None and len(b) == 3
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quantized_model_serves_the_tokens_generate_gives_it(bits):
+  """Weights quantized by jaxformer.quantize (int8 per channel, int4 in groups) go through the same layers in
+  the engine as in decode.generate: the same greedy tokens, several requests at once."""
+  from jaxformer import quantize  # pylint: disable=g-import-not-at-top
+  model, params = _setup("llama_tiny")
+  qparams, manifest = quantize.quantize_params(jax.device_get(params), model.cfg, bits, group_size=32)
+  assert manifest["kernels"]
+  qparams = jax.tree.map(jnp.asarray, qparams)
+  eng = engine_lib.Engine(model, qparams, max_batch=3, block_size=8, max_seq_len=64, prefill_chunk=16)
+  prompts = _prompts(model.cfg.vocab_size, (7, 19, 3, 26))
+  requests = [eng.submit(p, engine_lib.SamplingParams(max_tokens=10)) for p in prompts]
+  eng.run_until_done()
+  assert [r.output for r in requests] == _reference(model, qparams, prompts, 10)
+  assert "qkernel" in qparams["decoder"]["layer_0"]["ffn"]["wo"]  # the layers read int weights, not float ones
