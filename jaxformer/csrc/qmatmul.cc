@@ -23,16 +23,25 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kRowBlock = 4;
+constexpr int64_t kRowBlock = 4;  // activation rows per pass over a weight row (accumulators in registers)
 // Software prefetch of the rows this many tiles ahead: without it GPT-2's int8 LM head (38 MB) read
 // at about a third of the bandwidth it reaches with it (1 and 2 tiles measured the same).
-constexpr int64_t kAhead = 2;  // activation rows per pass over a weight row (accumulators in registers)
+#ifndef JF_AHEAD
+#define JF_AHEAD 2
+#endif
+constexpr int64_t kAhead = JF_AHEAD;
 
 // Runs f(begin, end) over [0, n) split across the pool's threads and this one; returns when all are done.
+// Products of fewer than JF_INLINE_BYTES weight bytes run on the calling thread alone: handing half of
+// one to a pool thread cost ~50 us here (a wake-up; a 64 x 64 product took 53 us through the pool, 2 us
+// inline), more than it saves on GPT-2's 768 x 768 projections (0.6 MB int8).
+#ifndef JF_INLINE_BYTES
+#define JF_INLINE_BYTES (1 << 20)
+#endif
 template <typename F>
-void ParallelFor(ffi::ThreadPool& pool, int64_t n, F f) {
+void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t bytes, F f) {
   int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  int64_t chunks = std::min<int64_t>(threads, std::max<int64_t>(1, n / 16));
+  int64_t chunks = bytes < JF_INLINE_BYTES ? 1 : std::min<int64_t>(threads, std::max<int64_t>(1, n / 16));
   if (chunks <= 1) {
     f(0, n);
     return;
@@ -74,13 +83,13 @@ void Int8Tile(const float* x, const int8_t* q, const float* s, float* y, int64_t
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < NB; ++b) a[r][b] = _mm256_setzero_ps();
   for (; k + 8 <= K; k += 8) {
-    __m256 w[NB];
-    if ((k & 63) == 0)  // the next tile's rows, a tile ahead: DRAM streams several rows at once
+    if ((k & 63) == 0)  // the next tiles' rows: DRAM streams several rows at once
       for (int b = 0; b < NB; ++b) _mm_prefetch(reinterpret_cast<const char*>(q + (n + kAhead * NB + b) * K + k), _MM_HINT_T0);
-    for (int b = 0; b < NB; ++b) w[b] = Load8(q + (n + b) * K + k);
-    for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x + (m0 + r) * K + k);
-      for (int b = 0; b < NB; ++b) a[r][b] = _mm256_fmadd_ps(w[b], xv, a[r][b]);
+    __m256 xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(x + (m0 + r) * K + k);
+    for (int b = 0; b < NB; ++b) {
+      const __m256 w = Load8(q + (n + b) * K + k);
+      for (int r = 0; r < R; ++r) a[r][b] = _mm256_fmadd_ps(w, xv[r], a[r][b]);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -101,8 +110,10 @@ void Int8Rows(const float* x, const int8_t* q, const float* s, float* y, int64_t
   for (; n < n1; ++n) Int8Tile<R, 1>(x, q, s, y, m0, K, N, n);
 }
 
-// int4: xe/xo [M, K/2] are the even and odd columns of x (the low and high nibbles' partners). Each
-// group's weights are scaled as they are converted (dequantize, then the dot, as the XLA path does).
+// int4: xe/xo [M, K/2] are the even and odd columns of x (the low and high nibbles' partners). Within a
+// group the integer weights meet x unscaled, in two accumulators (low and high nibbles: independent FMA
+// chains); the group's sum is then scaled once into the total (sum_g s_g * (w_g . x_g), the same
+// product as dequantizing first, rounded in a different order).
 template <int R, int NB>
 void Int4Tile(const float* xe, const float* xo, const uint8_t* q, const float* s, float* y, int64_t m0,
               int64_t K, int64_t N, int64_t groups, int64_t n) {
@@ -117,35 +128,48 @@ void Int4Tile(const float* xe, const float* xo, const uint8_t* q, const float* s
     int64_t j = g * gh;
     const int64_t end = j + gh;
 #ifdef JF_AVX2
-    __m256 sv[NB];
-    for (int b = 0; b < NB; ++b) sv[b] = _mm256_set1_ps(s[(n + b) * groups + g]);
-    for (; j + 8 <= end; j += 8) {
-      __m256 lo[NB], hi[NB];
-      if ((j & 63) == 0)  // as in Int8Tile: the next tile's rows
-        for (int b = 0; b < NB; ++b)
-          _mm_prefetch(reinterpret_cast<const char*>(q + (n + kAhead * NB + b) * half + j), _MM_HINT_T0);
-      for (int b = 0; b < NB; ++b) {
-        const __m256i v = _mm256_cvtepi8_epi32(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + (n + b) * half + j)));
-        lo[b] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 28), 28)), sv[b]);
-        hi[b] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(v, 4)), sv[b]);  // v: the sign-extended byte
+    if (gh >= 8) {
+      __m256 pl[R][NB], ph[R][NB];
+      for (int r = 0; r < R; ++r)
+        for (int b = 0; b < NB; ++b) pl[r][b] = ph[r][b] = _mm256_setzero_ps();
+      for (; j + 8 <= end; j += 8) {
+        if ((j & 63) == 0)  // as in Int8Tile: the next tiles' rows
+          for (int b = 0; b < NB; ++b)
+            _mm_prefetch(reinterpret_cast<const char*>(q + (n + kAhead * NB + b) * half + j), _MM_HINT_T0);
+        __m256 e[R], o[R];
+        for (int r = 0; r < R; ++r) {
+          e[r] = _mm256_loadu_ps(xe + (m0 + r) * half + j);
+          o[r] = _mm256_loadu_ps(xo + (m0 + r) * half + j);
+        }
+        for (int b = 0; b < NB; ++b) {
+          const __m256i v = _mm256_cvtepi8_epi32(
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + (n + b) * half + j)));  // sign-extended bytes
+          const __m256 lo = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 28), 28));
+          const __m256 hi = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 4));
+          for (int r = 0; r < R; ++r) {
+            pl[r][b] = _mm256_fmadd_ps(lo, e[r], pl[r][b]);
+            ph[r][b] = _mm256_fmadd_ps(hi, o[r], ph[r][b]);
+          }
+        }
       }
-      for (int r = 0; r < R; ++r) {
-        const __m256 e = _mm256_loadu_ps(xe + (m0 + r) * half + j), o = _mm256_loadu_ps(xo + (m0 + r) * half + j);
-        for (int b = 0; b < NB; ++b) a[r][b] = _mm256_fmadd_ps(hi[b], o, _mm256_fmadd_ps(lo[b], e, a[r][b]));
+      for (int b = 0; b < NB; ++b) {
+        const __m256 sv = _mm256_set1_ps(s[(n + b) * groups + g]);
+        for (int r = 0; r < R; ++r) a[r][b] = _mm256_fmadd_ps(_mm256_add_ps(pl[r][b], ph[r][b]), sv, a[r][b]);
       }
     }
 #endif
+    float part[R][NB] = {};
     for (; j < end; ++j)
       for (int b = 0; b < NB; ++b) {
         const int8_t v = static_cast<int8_t>(q[(n + b) * half + j]);
-        const float sc = s[(n + b) * groups + g];
-        const float lo = static_cast<float>(static_cast<int8_t>(v << 4) >> 4) * sc, hi = static_cast<float>(v >> 4) * sc;
+        const float lo = static_cast<float>(static_cast<int8_t>(v << 4) >> 4), hi = static_cast<float>(v >> 4);
         for (int r = 0; r < R; ++r) {
           const int64_t o = (m0 + r) * half + j;
-          acc[r][b] += lo * xe[o] + hi * xo[o];
+          part[r][b] += lo * xe[o] + hi * xo[o];
         }
       }
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < NB; ++b) acc[r][b] += part[r][b] * s[(n + b) * groups + g];
   }
 #ifdef JF_AVX2
   for (int r = 0; r < R; ++r)
@@ -171,6 +195,14 @@ void Int4Rows(const float* xe, const float* xo, const uint8_t* q, const float* s
     case 3: FN<3, 2>(__VA_ARGS__); break; \
     default: FN<4, 2>(__VA_ARGS__); break; \
   }
+// int4 keeps two partial sums per (row, output): half the outputs per pass.
+#define JF_DISPATCH4(rows, FN, ...)     \
+  switch (rows) {                       \
+    case 1: FN<1, 4>(__VA_ARGS__); break; \
+    case 2: FN<2, 2>(__VA_ARGS__); break; \
+    case 3: FN<3, 1>(__VA_ARGS__); break; \
+    default: FN<4, 1>(__VA_ARGS__); break; \
+  }
 
 ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
                     ffi::Buffer<ffi::F32> s, ffi::ResultBuffer<ffi::F32> y) {
@@ -181,7 +213,7 @@ ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   const int8_t* qp = q.typed_data();
   const float* sp = s.typed_data();
   float* yp = y->typed_data();
-  ParallelFor(pool, N, [&](int64_t n0, int64_t n1) {
+  ParallelFor(pool, N, N * K, [&](int64_t n0, int64_t n1) {
     for (int64_t m = 0; m < M; m += kRowBlock) JF_DISPATCH(std::min(kRowBlock, M - m), Int8Rows, xp, qp, sp, yp, m, K, N, n0, n1)
   });
   return ffi::Error::Success();
@@ -205,9 +237,9 @@ ffi::Error Int4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   const uint8_t* qp = q.typed_data();
   const float* sp = s.typed_data();
   float* yp = y->typed_data();
-  ParallelFor(pool, N, [&](int64_t n0, int64_t n1) {
+  ParallelFor(pool, N, N * half, [&](int64_t n0, int64_t n1) {
     for (int64_t m = 0; m < M; m += kRowBlock)
-      JF_DISPATCH(std::min(kRowBlock, M - m), Int4Rows, xe.data(), xo.data(), qp, sp, yp, m, K, N, groups, n0, n1)
+      JF_DISPATCH4(std::min(kRowBlock, M - m), Int4Rows, xe.data(), xo.data(), qp, sp, yp, m, K, N, groups, n0, n1)
   });
   return ffi::Error::Success();
 }
