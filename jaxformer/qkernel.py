@@ -104,7 +104,7 @@ def _load():
     path = build()
     _register(path)
   except (RuntimeError, OSError, AttributeError) as e:
-    return f"the C++ kernel is unavailable: {e}"
+    return f"the C++ kernel is unavailable: {e}; {why}"
   _STATE["source"] = "cache"
   _LOG.debug("quantized matmul: the C++ kernel built on first use (%s)", path)
   return None
