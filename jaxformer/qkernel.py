@@ -1,66 +1,68 @@
-"""The CPU kernel of the quantized products (jaxformer/csrc/qmatmul.cc): built on first use, called via jax.ffi.
+"""The CPU kernel of the quantized products (jaxformer/csrc/qmatmul.cc), called via jax.ffi.
 
-Built with the system C++ compiler (`$CXX`, else g++/c++) at `-O3 -march=native` into a cache
-directory ($JAXFORMER_CACHE, else ~/.cache/jaxformer), keyed by the source, the compiler, the
-JAX version and the CPU's flags: -march=native needs the machine that runs it, which a wheel
-built at `pip install` time may not be. Where it cannot be built (no compiler, a failed build, or
-JAXFORMER_QKERNEL=off) `unavailable()` says why and `jaxformer.qmatmul` runs the XLA path.
+Compiled with the system C++ compiler (`$CXX`, else g++/c++) at `-O3 -march=native` against
+jaxlib's XLA FFI headers (`jaxformer.qbuild`), in one of two places, tried in this order:
+- "installed": `jaxformer/_qmatmul.so`, built by `pip install` (setup.py), used when its stamp
+  (`_qmatmul.json`) says it was built from this source, for this CPU's flags (-march=native), with
+  the same flags, against an XLA FFI API this jaxlib accepts;
+- "cache": built on first use into a cache directory ($JAXFORMER_CACHE, else ~/.cache/jaxformer),
+  keyed by the source, compiler, jaxlib and CPU flags.
+Where neither can be had (no compiler, a failed build, or JAXFORMER_QKERNEL=off) `unavailable()` says
+why and `jaxformer.qmatmul` runs the XLA path; `source()` says which library runs.
 """
 
 import ctypes
-import hashlib
+import json
+import logging
 import os
 import pathlib
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 
 import jax
 import jax.numpy as jnp
 
-SOURCE = pathlib.Path(__file__).parent / "csrc" / "qmatmul.cc"
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-Wno-attributes", "-Wno-return-type")
+from jaxformer import qbuild
+
+SOURCE = qbuild.SOURCE
+FLAGS = qbuild.FLAGS
+INSTALLED = qbuild.INSTALLED
 TARGETS = {8: "jaxformer_qmatmul_int8", 4: "jaxformer_qmatmul_int4"}
 
-_STATE = {}  # "reason": why the kernel cannot run (None: registered); set once
+_STATE = {}  # "reason": why the kernel cannot run (None: registered), "source": "installed"/"cache"; set once
 _LOCK = threading.Lock()
-
-
-def _cpu_flags():
-  try:
-    with open("/proc/cpuinfo") as f:
-      return next((line for line in f if line.startswith("flags")), "")
-  except OSError:
-    return platform.processor()
+_LOG = logging.getLogger(__name__)
 
 
 def library_path(cxx):
-  """Where the build for this source, compiler, JAX and CPU goes."""
-  key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, jax.__version__, _cpu_flags(), *FLAGS]).encode())
+  """Where the cache's build for this source, compiler, jaxlib and CPU goes."""
+  _, version, api = qbuild.headers()
   cache = os.environ.get("JAXFORMER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "jaxformer")
-  return pathlib.Path(cache) / f"qmatmul-{key.hexdigest()[:16]}.so"
+  return pathlib.Path(cache) / qbuild.cache_name(qbuild.key(cxx, version, api))
 
 
 def build():
-  """Compiles the kernel if needed -> the shared library's path (raises RuntimeError with the reason)."""
-  cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+  """Compiles the kernel into the cache if needed -> the shared library's path (RuntimeError with the reason)."""
+  cxx = qbuild.compiler()
   if not cxx:
     raise RuntimeError("no C++ compiler found ($CXX, g++ or c++)")
   out = library_path(cxx)
-  if out.exists():
-    return out
-  out.parent.mkdir(parents=True, exist_ok=True)
-  with tempfile.TemporaryDirectory(dir=out.parent) as tmp:  # build aside, then rename: concurrent builds are safe
-    part = pathlib.Path(tmp) / out.name
-    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(part)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if proc.returncode:
-      last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-      raise RuntimeError(f"building {SOURCE.name} failed: {last}")
-    os.replace(part, out)
+  if not out.exists():
+    qbuild.compile_library(cxx, jax.ffi.include_dir(), out)
   return out
+
+
+def installed(library=None):
+  """(path, None) if the library `pip install` built runs here (its stamp matches), else (None, why not)."""
+  library = pathlib.Path(library or INSTALLED)
+  if not library.exists():
+    return None, f"no {library.name} (not built at install)"
+  try:
+    stamp = json.loads(qbuild.stamp_path(library).read_text())
+    _, version, api = qbuild.headers()
+  except (OSError, ValueError, RuntimeError) as e:
+    return None, f"{library.name} has no readable stamp ({e})"
+  why = qbuild.mismatch(stamp, qbuild.key(None, version, api))
+  return (None, f"{library.name} {why}") if why else (library, None)
 
 
 def unavailable():
@@ -71,16 +73,40 @@ def unavailable():
     return _STATE["reason"]
 
 
+def source():
+  """Which library the kernel runs from: "installed" (built by `pip install`), "cache" (built on first
+  use), or None (the XLA path: `unavailable()` says why)."""
+  unavailable()
+  return _STATE.get("source")
+
+
+def _register(path):
+  lib = ctypes.cdll.LoadLibrary(str(path))
+  handlers = {bits: getattr(lib, "JfQmatmulInt8" if bits == 8 else "JfQmatmulInt4") for bits in TARGETS}
+  for bits, name in TARGETS.items():
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handlers[bits]), platform="cpu")
+
+
 def _load():
   if os.environ.get("JAXFORMER_QKERNEL", "").lower() in ("off", "0", "false"):
     return "JAXFORMER_QKERNEL=off"
+  path, why = installed()
+  if path is not None:
+    try:
+      _register(path)
+      _STATE["source"] = "installed"
+      _LOG.debug("quantized matmul: the C++ kernel installed with the package (%s)", path)
+      return None
+    except (OSError, AttributeError) as e:
+      why = f"{path.name} does not load ({e})"
+  _LOG.debug("quantized matmul: not the installed kernel: %s", why)
   try:
-    lib = ctypes.cdll.LoadLibrary(str(build()))
-  except (RuntimeError, OSError) as e:
-    return f"the C++ kernel is unavailable: {e}"
-  for bits, name in TARGETS.items():
-    fn = getattr(lib, "JfQmatmulInt8" if bits == 8 else "JfQmatmulInt4")
-    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform="cpu")
+    path = build()
+    _register(path)
+  except (RuntimeError, OSError, AttributeError) as e:
+    return f"the C++ kernel is unavailable: {e}; {why}"
+  _STATE["source"] = "cache"
+  _LOG.debug("quantized matmul: the C++ kernel built on first use (%s)", path)
   return None
 
 

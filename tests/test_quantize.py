@@ -111,6 +111,7 @@ def test_forced_fallback_runs_the_xla_path_and_says_why_once(monkeypatch, caplog
 def test_build_failure_is_a_reason_not_a_crash(monkeypatch, tmp_path):
   monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
   monkeypatch.setenv("JAXFORMER_CACHE", str(tmp_path))
+  monkeypatch.setattr(qkernel, "INSTALLED", tmp_path / "_qmatmul.so")  # none installed: the cache build runs
   (tmp_path / "no-such-compiler").write_text("#!/bin/sh\necho 'broken compiler' >&2\nexit 1\n")
   os.chmod(tmp_path / "no-such-compiler", 0o755)
   reason = qkernel._load()
