@@ -27,10 +27,11 @@ import numpy as np
 from jaxformer import qkernel
 
 QUANT_PARAMS = ("qkernel", "qscale")
-# Rows up to which the CPU kernel runs, by bits; above, the XLA path (prefill). Alone (weights in cache)
-# the kernel loses to float32's dot from ~64 rows (int8) and ~16-32 (int4): benchmarks/qmatmul_rows.py;
-# GPT-2's 16-row prefill was 0.53x float32 with the int4 kernel and 1.85x without (BENCHMARKS.md).
-KERNEL_MAX_ROWS = {8: 32, 4: 16}
+# Rows up to which the CPU kernel runs, by bits; above, the XLA path (prefill). `benchmarks/qmatmul_rows.py`
+# on GPT-2's [rows, 768] x [768, 3072] (weights in cache): int8 kernel 0.5-0.6x float32's time to 32 rows,
+# 0.7-1.0x at 64-128, 1.2x at 256 (XLA path 1.1-1.25x at 128-256); int4 0.6x at 32, 1.2-1.5x from 64,
+# where the XLA path (the weights dequantized, then XLA's float32 GEMM) does as well or better.
+KERNEL_MAX_ROWS = {8: 128, 4: 32}
 
 
 def quantize_int8(w):
