@@ -270,3 +270,25 @@ def test_inspect_cli_quantized(capsys):
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and "\n" not in err and err.startswith(message), err
 
+
+def test_compile_decode_step_argument_bytes():
+  """`aot.compile_decode_step` from abstract params on this CPU: XLA's arguments shrink by exactly the
+  bytes `inspect.weight_bytes` predicts, and the quantized kernels' share of them is at most 0.27x
+  (int8) / 0.15x (int4) of their float32 bytes."""
+  from jaxformer import aot, config as config_lib, inspect  # pylint: disable=g-import-not-at-top
+  cfg = config_lib.load_config("llama_tiny", ["model.d_model=128", "model.d_ff=256", "model.vocab_size=256"])
+  args = {}
+  for bits in (None, 8, 4):
+    compiled, _, _ = aot.compile_decode_step(cfg, jax.devices()[:1], 1, 32, bits=bits)
+    args[bits] = aot.memory(compiled)["argument"]
+  plain = inspect.weight_bytes(cfg, "float32")["total"]
+  for bits, limit in ((8, 0.27), (4, 0.15)):
+    manifest = inspect.quantized_manifest(cfg, bits)
+    predicted = inspect.weight_bytes(cfg, "float32", manifest)
+    assert args[None] - args[bits] == plain - predicted["total"]  # XLA gets exactly the predicted bytes
+    as_float = lambda tables: sum(4 * e["k"] * e["n"] * e.get("experts", 1) for e in manifest["kernels"].values()
+                                  if ("bits" in e) == tables)
+    assert predicted["kernels"] <= limit * as_float(False)  # the int8/int4 kernels
+    assert predicted["tables"] <= 0.27 * as_float(True)     # the int8 tables (embeddings, output layer)
+  with pytest.raises(UserError, match="decoder-only"):
+    aot.compile_decode_step(config_lib.load_config("tiny_encdec"), jax.devices()[:1], 1, 8)
