@@ -101,6 +101,8 @@ def main(argv=None):
   args = parser.parse_args(argv)
   if args.decode is None and (args.quantize is not None or args.param_dtype is not None):
     raise SystemExit("error: --quantize and --param-dtype go with --decode CONTEXT")
+  if args.param_dtype not in (None, "float32", "bfloat16"):
+    raise SystemExit(f"error: --param-dtype {args.param_dtype}: float32 or bfloat16")
   t = time.perf_counter()
   devices, hbm_gb = devices_for(args)
   if args.decode is not None:
