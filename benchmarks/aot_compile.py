@@ -17,6 +17,16 @@ the compile time, and `inspect.memory_plan` for the same config, mesh and batch 
 --topology takes a Cloud TPU name (v5p-8 ... v5p-256 count TensorCores, two per chip, as
 Cloud TPU names do; v5e-1 ... v5e-256 and v6e-N count chips; v4-8 ... v4-256 like v5p).
 The mesh defaults to mesh.fsdp=-1 (every chip in FSDP) unless overrides set it.
+One decode step instead (`aot.compile_decode_step`: one token per sequence through a KV cache of
+CONTEXT slots, on one chip, nothing sharded), float or with the int8/int4 weights `jaxformer.quantize`
+writes, printed next to `inspect`'s weight and KV-cache bytes:
+
+    /work/venv-tpu/bin/python benchmarks/aot_compile.py --topology v6e-1 --config llama3_8b --batch 1 \
+        --decode 2048 [--quantize 8|4 [--group-size 128] [--embedding int8|float]] [--param-dtype bfloat16]
+
+(the model holds float32 params whatever model.dtype is; --param-dtype bfloat16 casts the float
+leaves, as a bfloat16 checkpoint would be read; a quantized model's scales stay float32).
+
 --platform cuda tries the same for GPUs (`jax-cuda12-plugin`); see BENCHMARKS.md for what happened.
 libtpu serves one process at a time (/tmp/libtpu_lockfile): run these one after another. A
 program that cannot fit is refused by the compiler; that is printed as "does NOT fit" with
@@ -34,6 +44,7 @@ import jax  # pylint: disable=g-import-not-at-top
 from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
 
 from jaxformer import aot, config, inspect, moe, sharding  # pylint: disable=g-import-not-at-top
+from jaxformer.errors import UserError  # pylint: disable=g-import-not-at-top
 
 # chips -> topology shape of a slice (Cloud TPU's shapes).
 _3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8"}
@@ -81,9 +92,24 @@ def main(argv=None):
   parser.add_argument("--seq-len", default=None, help="LEN, or SRC,TGT for translation (default: the recipe's)")
   parser.add_argument("--show-ops", metavar="REGEX", default=None,
                       help="print the compiled (per-device) HLO instructions matching REGEX, e.g. 'ragged-dot|sort'")
+  parser.add_argument("--decode", type=int, default=None, metavar="CONTEXT",
+                      help="compile one decode step with a KV cache of CONTEXT slots (one chip) instead of a train step")
+  parser.add_argument("--quantize", type=int, default=None, metavar="8|4", help="with --decode: int8 or int4 weights")
+  parser.add_argument("--group-size", type=int, default=128, help="with --quantize 4: inputs per scale (default 128)")
+  parser.add_argument("--embedding", default="int8", help="with --quantize: tables int8 (default) or float")
+  parser.add_argument("--param-dtype", default=None, help="with --decode: float32 (the model's) or bfloat16")
   args = parser.parse_args(argv)
+  if args.decode is None and (args.quantize is not None or args.param_dtype is not None):
+    raise SystemExit("error: --quantize and --param-dtype go with --decode CONTEXT")
+  if args.param_dtype not in (None, "float32", "bfloat16"):
+    raise SystemExit(f"error: --param-dtype {args.param_dtype}: float32 or bfloat16")
   t = time.perf_counter()
   devices, hbm_gb = devices_for(args)
+  if args.decode is not None:
+    try:
+      return decode_step(args, devices, hbm_gb, t)
+    except UserError as e:
+      raise SystemExit(f"error: {e}") from None
   if args.platform == "tpu":
     # MoE's grouped matmul: "auto" picks by jax.default_backend(), which is "cpu" here; the TPU
     # program (and the plan, traced below) must use what a TPU runs: jax.lax.ragged_dot.
@@ -121,14 +147,51 @@ def main(argv=None):
   if cost and "flops" in cost:
     print(f"XLA cost analysis: {cost['flops'] / 1e12:.2f} TFLOP per device per step")
   if args.show_ops:  # the partitioned program's shapes: what each device holds and computes
-    seen = set()
-    for line in compiled.as_text().splitlines():
-      if re.search(args.show_ops, line):
-        op = re.sub(r"^\s*(ROOT )?%?[\w.\-]+ = ", "", line.strip())
-        op = re.sub(r"\s*(, )?metadata=\{.*", "", op)[:240]
-        if op not in seen:
-          seen.add(op)
-          print("  " + op)
+    _show_ops(compiled, args.show_ops)
+
+
+def decode_step(args, devices, hbm_gb, t):
+  """--decode: compile one decode step on one chip; print XLA's memory_analysis next to inspect's bytes."""
+  cfg = config.load_config(args.config, args.overrides)
+  float_dtype = args.param_dtype or "float32"
+  manifest = None
+  if args.quantize is not None:
+    manifest = inspect.quantized_manifest(cfg, args.quantize, args.group_size, args.embedding)
+  weights = inspect.weight_bytes(cfg, float_dtype, manifest)
+  cache = inspect.kv_cache_bytes(cfg, args.decode, cfg.model.dtype) * args.batch
+  what = (f"int{args.quantize} weights" + (f" (group {args.group_size})" if args.quantize == 4 else "")
+          + f", tables {args.embedding}, other leaves {float_dtype}" if manifest else f"{float_dtype} params")
+  print(f"{args.topology} (one {devices[0].device_kind} of {len(devices)}, {hbm_gb} GB), jax {jax.__version__}; "
+        f"{cfg.name} {' '.join(args.overrides)} (model.dtype {cfg.model.dtype}); decode step: batch {args.batch} x "
+        f"1 token, KV cache {args.decode:,} slots; {what}")
+  compiled, lower_s, compile_s = aot.compile_decode_step(cfg, devices, args.batch, args.decode, args.quantize,
+                                                         args.group_size, args.embedding, args.param_dtype)
+  xla = aot.memory(compiled)
+  gib = lambda b: f"{b / 2**30:.3f} GiB"
+  print(f"lowered in {lower_s:.1f} s, compiled in {compile_s:.1f} s ({time.perf_counter() - t:.1f} s in all)")
+  print(f"XLA per chip: arguments {gib(xla['argument'])}, outputs {gib(xla['output'])}, donated {gib(xla['alias'])}, "
+        f"temporaries {gib(xla['temp'])} ({xla['temp']:,} bytes); total {gib(xla['total'])}")
+  print(f"inspect: weights {gib(weights['total'])} (kernels {gib(weights['kernels'])}, tables {gib(weights['tables'])}, "
+        f"float {gib(weights['float'])}) + KV cache {gib(cache)} ({cfg.model.dtype}) = {gib(weights['total'] + cache)}; "
+        f"XLA arguments - that = {xla['argument'] - weights['total'] - cache:,} bytes")
+  if manifest:  # were the weights dequantized into buffers of their own? Temporaries would hold at least the largest
+    largest = max(e["k"] * e["n"] for e in manifest["kernels"].values()) * jax.numpy.dtype(cfg.model.dtype).itemsize
+    print(f"the largest kernel dequantized to {cfg.model.dtype} would be {gib(largest)}: temporaries / that = "
+          f"{xla['temp'] / largest:.3f}")
+  if args.show_ops:
+    _show_ops(compiled, args.show_ops)
+
+
+def _show_ops(compiled, pattern):
+  """Prints the compiled HLO instructions matching `pattern`, each once."""
+  seen = set()
+  for line in compiled.as_text().splitlines():
+    if re.search(pattern, line):
+      op = re.sub(r"^\s*(ROOT )?%?[\w.\-]+ = ", "", line.strip())
+      op = re.sub(r"\s*(, )?metadata=\{.*", "", op)[:240]
+      if op not in seen:
+        seen.add(op)
+        print("  " + op)
 
 
 if __name__ == "__main__":

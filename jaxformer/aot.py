@@ -1,4 +1,4 @@
-"""Ahead-of-time compilation of the real train step from abstract inputs: XLA's own memory figures.
+"""Ahead-of-time compilation of the real train step (and of one decode step) from abstract inputs: XLA's own memory figures.
 
 `compile_train_step(cfg, devices, rows, lengths)` lowers and compiles the trainer's
 `make_train_step` (same model, optimizer, shardings and donation as `train.py`) for any
@@ -6,8 +6,12 @@ devices JAX can describe: this host's (8 simulated CPU devices with
 XLA_FLAGS=--xla_force_host_platform_device_count=8), or a TPU topology from
 `jax.experimental.topologies` that is not attached (benchmarks/aot_compile.py). Nothing
 is allocated: state and batch are ShapeDtypeStructs carrying their shardings.
+
+`compile_decode_step(cfg, devices, batch, context, bits=...)` does the same for one decode step
+of a decoder-only model on one chip (float params, or the int8/int4 ones `jaxformer.quantize` writes).
 """
 
+import dataclasses
 import functools
 import time
 
@@ -15,12 +19,16 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxformer import decode
+from jaxformer import inspect
 from jaxformer import lora
 from jaxformer import model as model_lib
 from jaxformer import optim
+from jaxformer import qmatmul
 from jaxformer import sharding
 from jaxformer import tasks
 from jaxformer import train
+from jaxformer.errors import UserError
 
 TRANSLATION_KEYS = ("inputs", "decoder_inputs", "targets", "inputs_segmentation", "targets_segmentation",
                     "inputs_position", "targets_position")
@@ -77,6 +85,61 @@ def compile_train_step(cfg, devices, rows, lengths, task=None):
   return compiled, lower_s, time.perf_counter() - t
 
 
+def abstract_decode_params(cfg, bits=None, group_size=128, embedding="int8", param_dtype=None):
+  """(params, manifest): ShapeDtypeStructs of the params a decode step reads (unrolled layers) and
+  the quantization manifest (None for float). Float: every leaf float32 as the model holds it, or
+  `param_dtype` ("bfloat16": floating leaves cast, as train.lora_base_dtype does for a LoRA base;
+  the model promotes them to model.dtype in its products). bits=8|4: the leaves
+  `python -m jaxformer.quantize --bits {bits} --group-size {group_size} --embedding {embedding}`
+  writes (`inspect.quantized_manifest` + `qmatmul.quantized_abstract`: int8 [N, K] / uint8 [N, K/2]
+  kernels and float32 scales), the other float leaves in `param_dtype`. Nothing is allocated."""
+  m = dataclasses.replace(cfg.model, scan_layers=False)
+  model = model_lib.build_model(m)
+  ids = jnp.ones((1, 1), jnp.int32)
+  params = nn.unbox(jax.eval_shape(lambda: model.init(jax.random.key(0), ids))["params"])
+  if param_dtype not in (None, "float32", "bfloat16"):
+    raise UserError(f"--param-dtype {param_dtype}: float32 or bfloat16")
+  if param_dtype is not None:
+    dtype = jnp.dtype(param_dtype)
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype)
+                          if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+  if bits is None:
+    return params, None
+  manifest = inspect.quantized_manifest(m, bits, group_size, embedding)
+  return qmatmul.quantized_abstract(params, manifest), manifest
+
+
+def compile_decode_step(cfg, devices, batch, context, bits=None, group_size=128, embedding="int8", param_dtype=None):
+  """(compiled decode step, seconds to lower, seconds to compile) on the first of `devices` (one chip:
+  nothing sharded).
+
+  The step is `decode._lm_step`, as `decode.generate` and the serving engine run it: tokens
+  [batch, 1] (with their segment and position [batch, 1]) through a KV cache of `context` slots per
+  sequence (`decode.init_cache`: cached keys/values [batch, kv_heads, context, head_dim] per layer,
+  donated) -> next-token logits [batch, 1, vocab] and the cache. The params are
+  `abstract_decode_params(cfg, bits, group_size, embedding, param_dtype)`: float, or int8/int4."""
+  if cfg.model.arch != "decoder_only":
+    raise UserError(f"--decode: a decoder-only config (this one is {cfg.model.arch})")
+  if batch < 1 or context < 1:
+    raise UserError(f"--decode {context} --batch {batch}: both positive")
+  m = dataclasses.replace(cfg.model, scan_layers=False)
+  model = model_lib.build_model(m)
+  params, _ = abstract_decode_params(cfg, bits, group_size, embedding, param_dtype)
+  mesh = jax.sharding.Mesh([list(devices)[0]], ("one",))
+  chip = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  place = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=chip), tree)
+  cache = jax.eval_shape(lambda: decode.init_cache(model, batch, context))
+  token = jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=chip)
+  step = jax.jit(functools.partial(decode._lm_step, model), donate_argnums=1,  # pylint: disable=protected-access
+                 in_shardings=chip, out_shardings=chip)
+  t = time.perf_counter()
+  lowered = step.lower(place(params), place(cache), token, token, token)
+  lower_s = time.perf_counter() - t
+  t = time.perf_counter()
+  compiled = lowered.compile()
+  return compiled, lower_s, time.perf_counter() - t
+
+
 def memory(compiled):
   """XLA's per-device bytes of a compiled step: arguments, outputs, aliased (donated), temporaries and
   the total live at once (arguments + outputs - aliased + temporaries)."""
@@ -89,7 +152,6 @@ def memory(compiled):
 
 def plan_vs_xla(cfg, devices, rows, lengths):
   """(`inspect.memory_plan`, `memory` of the compiled step, compile seconds) for one config and batch."""
-  from jaxformer import inspect  # pylint: disable=g-import-not-at-top
   compiled, _, compile_s = compile_train_step(cfg, devices, rows, lengths)
   mesh = sharding.make_mesh(cfg.mesh, list(devices)).shape
   return inspect.memory_plan(cfg, dict(mesh), rows, lengths), memory(compiled), compile_s

@@ -4,6 +4,7 @@
       [--batch 1] [--context 4096,32768] [--seq-len 8192]
   python -m jaxformer.inspect --config llama3_8b --mesh fsdp=64 [--batch 64] [model.remat=full ...]
   python -m jaxformer.inspect --config llama3_8b train.lora_rank=16 --batch 1 --seq-len 2048 model.remat=full
+  python -m jaxformer.inspect --config llama3_8b --quantize 8|4 [--group-size 128] [--embedding int8|float]
 
 Shapes come from `jax.eval_shape(model.init)`: nothing is allocated, and the counts are
 the model's own rather than a formula that could drift from it. `DEVICES`, `peak_flops`
@@ -28,10 +29,11 @@ from jaxformer import layers
 from jaxformer import lora
 from jaxformer import losses
 from jaxformer import moe
+from jaxformer import qmatmul
 from jaxformer import sharding
 from jaxformer.config import ModelConfig, load_config
 from jaxformer.errors import UserError, cli
-from jaxformer.model import block_class, build_model
+from jaxformer.model import block_class, build_model, quantizable
 
 
 class Device(NamedTuple):
@@ -257,14 +259,39 @@ def kv_cache_bytes(cfg, context, dtype="bfloat16"):
   return 2 * _cached_slots(m, context) * m.kv_heads * m.dim_per_head * _itemsize(dtype)
 
 
-def decode_roofline(cfg, dtype="bfloat16", batch=1, context=2048):
+def quantized_manifest(cfg, bits, group_size=128, embedding="int8", flag="--quantize"):
+  """The `quantization.json` manifest `python -m jaxformer.quantize --bits {bits}` would write for this
+  config (unrolled layers), from the abstract shapes: no weights. UserError for a scheme the shapes
+  do not allow (bits not 8/4, an int4 group that does not divide a fan-in)."""
+  m = dataclasses.replace(_model_cfg(cfg), scan_layers=False)
+  shapes = {"/".join(path): shape for path, shape in _shapes(m).items()}
+  return qmatmul.plan_manifest(shapes, quantizable(m), bits, group_size, embedding, flag=flag)
+
+
+def weight_bytes(cfg, dtype="bfloat16", manifest=None):
+  """Bytes of the model's weights: dict(kernels, tables, float, total) (`qmatmul.param_bytes`).
+
+  Without a manifest every parameter is `float`, at `dtype`; with one (`quantized_manifest`, or a
+  quantized workdir's quantization.json) its kernels are int8 [N, K] + a float32 scale per output
+  or packed int4 [N, K / 2] + a float32 scale per group, its tables (token embeddings, untied output
+  layer) int8 + a float32 scale per row, and the rest (norms, biases, position tables, routers) `dtype`."""
+  m = dataclasses.replace(_model_cfg(cfg), scan_layers=False)
+  shapes = {"/".join(path): shape for path, shape in _shapes(m).items()}
+  _itemsize(dtype)  # (an unknown dtype: a one-line error)
+  return qmatmul.param_bytes(shapes, manifest, dtype)
+
+
+def decode_roofline(cfg, dtype="bfloat16", batch=1, context=2048, weights=None):
   """Lower bound on one decode step (a token for each of `batch` sequences) per device.
 
   A step reads every weight once (shared by the batch) plus each sequence's KV cache at
   `context`, and does batch x decode FLOPs: time = max(bytes / bandwidth, FLOPs / peak).
+  `weights`: the weights' bytes (default: every parameter in `dtype`; a quantized model's
+  from `weight_bytes(cfg, dtype, manifest)["total"]`); the KV cache is in `dtype` either way.
   Returns {device: dict(seconds, bound="memory"|"compute")}.
   """
-  nbytes = count_parameters(cfg)["total"] * _itemsize(dtype) + kv_cache_bytes(cfg, context, dtype) * batch
+  weights = count_parameters(cfg)["total"] * _itemsize(dtype) if weights is None else weights
+  nbytes = weights + kv_cache_bytes(cfg, context, dtype) * batch
   flops = batch * flops_per_token(cfg, context, context)["decode"]
   result = {}
   for name, device in DEVICES.items():
@@ -469,8 +496,30 @@ def _si(x, unit):
   return f"{x:.0f} {unit}"
 
 
-def report(cfg, dtype="bfloat16", batch=1, contexts=(4096, 32768), seq_len=None):
-  """The human-readable report printed by the CLI."""
+def _weights_section(cfg, dtype, manifest):
+  """The report's lines on a quantized model's weight bytes (`weight_bytes`) against all-`dtype` weights."""
+  q, plain = weight_bytes(cfg, dtype, manifest), weight_bytes(cfg, dtype)["total"]
+  bits, group = manifest["bits"], manifest["group_size"]
+  n = sum(1 for e in manifest["kernels"].values() if "bits" not in e)
+  tables = sum(1 for e in manifest["kernels"].values() if "bits" in e)
+  kernel = ("int8 [N, K] + a float32 scale per output" if bits == 8 else
+            f"int4, two a byte [N, K/2] + a float32 scale per {group} inputs")
+  gib = lambda b: f"{b / 2**30:9.2f} GiB"
+  lines = [f"Weights, int{bits} weight-only (python -m jaxformer.quantize --bits {bits}"
+           f"{f' --group-size {group}' if bits == 4 else ''} --embedding {manifest['embedding']}): "
+           f"{q['total'] / 2**30:.2f} GiB, {q['total'] / plain:.3f}x of {plain / 2**30:.2f} GiB in {dtype}",
+           f"  kernels {gib(q['kernels'])}  {n} weights: {kernel}"]
+  if tables:
+    lines.append(f"  tables  {gib(q['tables'])}  {tables} (token embeddings, untied output layer): int8 + a float32 "
+                 "scale per row")
+  lines.append(f"  float   {gib(q['float'])}  the rest in {dtype}"
+               f"{' (embeddings and output layer included: --embedding float)' if not tables else ''}")
+  return lines
+
+
+def report(cfg, dtype="bfloat16", batch=1, contexts=(4096, 32768), seq_len=None, manifest=None):
+  """The human-readable report printed by the CLI; `manifest` (`quantized_manifest`): a quantized
+  model's weights (their bytes, and the decode roofline on them; the KV cache stays in `dtype`)."""
   m = cfg.model
   if seq_len is None:  # the length the recipe trains at
     seq_len = cfg.data.block_size if cfg.data.task == "lm" else cfg.data.max_len
@@ -514,10 +563,17 @@ def report(cfg, dtype="bfloat16", batch=1, contexts=(4096, 32768), seq_len=None)
   for c in contexts:
     lines.append(f"  context {c:>7,} x batch {batch}: {kv_cache_bytes(cfg, c, dtype) * batch / 2**30:8.2f} GiB")
 
-  lines += ["", f"Decode roofline: batch {batch}, context {seq_len:,}, weights and KV cache in {dtype}"
+  weights = None
+  if manifest is None:
+    what = f"weights and KV cache in {dtype}"
+  else:
+    lines += [""] + _weights_section(cfg, dtype, manifest)
+    weights = weight_bytes(cfg, dtype, manifest)["total"]
+    what = f"int{manifest['bits']} weights ({weights / 2**30:.2f} GiB), KV cache in {dtype}"
+  lines += ["", f"Decode roofline: batch {batch}, context {seq_len:,}, {what}"
             f" (one token per sequence per step; peak = dense bf16)",
             f"  {'device':<9}{'TB/s':>7}{'TFLOP/s':>9}{'ms/token':>10}  bound"]
-  for name, r in decode_roofline(cfg, dtype, batch, seq_len).items():
+  for name, r in decode_roofline(cfg, dtype, batch, seq_len, weights).items():
     d = DEVICES[name]
     lines.append(f"  {name:<9}{d.memory_bandwidth / 1e12:>7.3g}{d.peak_flops / 1e12:>9.0f}"
                  f"{r['seconds'] * 1e3:>10.2f}  {r['bound']}")
@@ -539,13 +595,26 @@ def main(argv):
   parser.add_argument("--context", default="4096,32768", help="comma-separated context lengths for the KV cache")
   parser.add_argument("--seq-len", type=int, default=None,
                       help="training length for FLOPs and decode context for the roofline (default: the recipe's)")
+  parser.add_argument("--quantize", type=int, default=None, metavar="8|4",
+                      help="weights as `python -m jaxformer.quantize --bits` stores them: int8/int4 weight bytes "
+                           "and the decode roofline on them")
+  parser.add_argument("--group-size", type=int, default=128, help="with --quantize 4: inputs per scale (default 128)")
+  parser.add_argument("--embedding", default="int8",
+                      help="with --quantize: token embeddings and an untied output layer int8 per row (default) "
+                           "or float")
   args = parser.parse_intermixed_args(argv)  # overrides before, between or after flags
   try:
     contexts = [int(c.replace("_", "")) for c in args.context.split(",") if c.strip()]
   except ValueError:
     raise UserError(f"--context {args.context!r}: expected comma-separated integers, e.g. 4096,32768") from None
   cfg = load_config(args.config, args.overrides)
-  print(report(cfg, args.dtype, args.batch or 1, contexts, args.seq_len))
+  _itemsize(args.dtype)
+  manifest = None
+  if args.quantize is not None:
+    manifest = quantized_manifest(cfg, args.quantize, args.group_size, args.embedding)
+  elif args.group_size != 128 or args.embedding != "int8":
+    raise UserError("--group-size and --embedding describe quantized weights: add --quantize 8 or 4")
+  print(report(cfg, args.dtype, args.batch or 1, contexts, args.seq_len, manifest))
   if args.mesh:
     seq_len = args.seq_len or (cfg.data.block_size if cfg.data.task == "lm" else cfg.data.max_len)
     lengths = (seq_len,) if cfg.data.task == "lm" else (seq_len, seq_len)

@@ -249,6 +249,41 @@ def build_model(cfg: ModelConfig):
   return EncoderDecoder(cfg) if cfg.arch == "encoder_decoder" else DecoderOnly(cfg)
 
 
+# Weight-only quantization (jaxformer.quantize): which weights it quantizes. Here, below `quantize`
+# (a command), because `inspect` (model arithmetic, imported by the training loop) counts their bytes too.
+QUANT_SKIPPED = ("router",)  # float on purpose: routing decisions
+QUANT_OUTPUT = ("logits",)   # the untied output layer: int8 with the embeddings (embedding="int8"), else float
+
+
+def quantizable(cfg: ModelConfig):
+  """{param path: (n_in, kind)} of the model's quantizable weights, in call order: each dense
+  module's kernel ('.../query/kernel', n_in = its contracted axes; the output layer's kind 'output'),
+  each MoE expert weight ('.../moe/wi', kind 'experts') and each token embedding table
+  ('embed/embedding', kind 'embedding'). Recorded by running the model's init abstractly (nothing
+  allocated); paths are those of `cfg` as given (unrolled layers unless cfg.scan_layers)."""
+  model = build_model(cfg)
+  seen = {}
+
+  def record(next_fun, args, kwargs, context):
+    fn = getattr(context.orig_method, "func", context.orig_method)
+    module = context.module
+    if isinstance(module, layers.TokenDense) and getattr(fn, "__qualname__", "") == "TokenDense.__call__":
+      if module.name not in QUANT_SKIPPED:
+        n_in = len(module.axis) if isinstance(module.axis, tuple) else 1
+        seen["/".join(module.path) + "/kernel"] = (n_in, "output" if module.name in QUANT_OUTPUT else "dense")
+    elif isinstance(module, layers.Embed) and context.method_name in ("__call__", "attend"):
+      seen["/".join(module.path) + "/embedding"] = (1, "embedding")
+    elif isinstance(module, moe_lib.MoEFeedForward) and context.method_name == "expert_weight":
+      seen["/".join(module.path) + "/" + args[0]] = (1, "experts")
+    return next_fun(*args, **kwargs)
+
+  dummy = jnp.ones((1, 8), jnp.int32)
+  args = (dummy, dummy) if cfg.arch == "encoder_decoder" else (dummy,)
+  with nn.intercept_methods(record):
+    jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), *args))
+  return seen
+
+
 def convert_layers(tree, scan_layers):
   """A tree of parameters (or of anything laid out like them: optimizer moments, a train
   state) in the unrolled layout, `layer_0` ... `layer_{n-1}` under each stack, or in the

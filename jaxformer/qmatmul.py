@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer import qkernel
+from jaxformer.errors import UserError
 
 QUANT_PARAMS = ("qkernel", "qscale")
 # Rows up to which the CPU kernel runs, by bits; above, the XLA path (prefill). `benchmarks/qmatmul_rows.py`
@@ -137,6 +138,67 @@ def quantized_shapes(k, n, bits, group):
   g = group_for(k, group)
   return {"qkernel": jax.ShapeDtypeStruct((n, k // 2), jnp.uint8),
           "qscale": jax.ShapeDtypeStruct((n, k // g), jnp.float32)}
+
+
+def plan_manifest(shapes, quantizable, bits, group_size=128, embedding="int8", flag="--bits"):
+  """The manifest `quantize.quantize_params` writes for float params of these shapes, from the shapes
+  alone (no weights): {"bits", "group_size", "embedding", "kernels": {path: {"k", "n"[, "bits"][, "experts"]}}}.
+
+  shapes: {param path 'a/b/kernel': shape} of the float params (unrolled layers); quantizable:
+  `model.quantizable`'s {path: (n_in, kind)}. A dense kernel [*in (n_in axes), *out] is K = prod(in)
+  by N = prod(out); an embedding table [vocab, d_model] is K = d_model, N = vocab (int8); the output
+  layer [d_model, vocab] K = d_model, N = vocab (int8); an MoE expert weight [experts, K, N].
+  With embedding="float" the tables and the output layer are left out (stay float). `flag` names
+  the bits in the errors (UserError, one line) for a scheme the shapes do not allow."""
+  if embedding not in ("int8", "float"):
+    raise UserError(f"--embedding {embedding}: int8 or float")
+  if bits not in (8, 4):
+    raise UserError(f"{flag} {bits}: 8 or 4")
+  if bits == 4 and (group_size < 2 or group_size % 2):
+    raise UserError(f"--group-size {group_size}: a positive even number (e.g. 128)")
+  kernels = {}
+  for path, (n_in, kind) in quantizable.items():
+    shape = tuple(int(d) for d in shapes[path])
+    if kind in ("embedding", "output"):
+      if embedding == "float":
+        continue
+      k, n = (shape[1], shape[0]) if kind == "embedding" else (shape[0], shape[1])
+      kernels[path] = {"k": k, "n": n, "bits": 8}
+      continue
+    if kind == "dense":
+      k = math.prod(shape[:n_in])
+      entry = {"k": k, "n": math.prod(shape) // k}
+    else:  # [experts, in, out]
+      entry = {"k": shape[1], "n": shape[2], "experts": shape[0]}
+    g = group_for(entry["k"], group_size)
+    if bits == 4 and (entry["k"] % g or g % 2):
+      raise UserError(f"int4: fan-in {entry['k']} is not a multiple of --group-size {group_size} (or is odd): "
+                      f"choose a group size that divides every fan-in, or use {flag} 8")
+    kernels[path] = entry
+  return {"bits": bits, "group_size": group_size, "embedding": embedding, "kernels": kernels}
+
+
+def param_bytes(shapes, manifest=None, dtype="float32"):
+  """Bytes of a model's params stored as `manifest` (None: all float) says, from shapes alone:
+  dict(kernels, tables, float, total).
+
+  shapes: {param path: shape} of the float params (unrolled layers); each manifest path counts as
+  its quantized leaves (`quantized_shapes`: int8 [N, K] + float32 [N], or uint8 [N, K / 2] + float32
+  [N, K / group], per expert for an MoE weight): `tables` the int8 embedding tables and output
+  layer, `kernels` the other quantized weights; every other leaf is `float`, at `dtype`."""
+  itemsize = jnp.dtype(dtype).itemsize
+  entries = (manifest or {}).get("kernels", {})
+  out = dict(kernels=0, tables=0, float=0)
+  for path, shape in shapes.items():
+    entry = entries.get(path)
+    if entry is None:
+      out["float"] += math.prod(shape) * itemsize
+      continue
+    leaves = quantized_shapes(entry["k"], entry["n"], entry.get("bits", manifest["bits"]), manifest["group_size"])
+    n = entry.get("experts", 1) * sum(math.prod(s.shape) * s.dtype.itemsize for s in leaves.values())
+    out["tables" if "bits" in entry else "kernels"] += n
+  out["total"] = sum(out.values())
+  return out
 
 
 def dense_apply(module, x, n_in, features, use_bias):

@@ -15,11 +15,11 @@ Written here rather than with qwix/AQT: neither is a dependency, and weight-only
 
 import argparse
 import json
-import math
 import os
 import shutil
 
 import flax.linen as nn
+from flax import traverse_util
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,42 +27,12 @@ import numpy as np
 from jaxformer import checkpoint as checkpoint_lib
 from jaxformer import config as config_lib
 from jaxformer import evaluate
-from jaxformer import layers
 from jaxformer import model as model_lib
-from jaxformer import moe
 from jaxformer import qmatmul
 from jaxformer.errors import UserError, cli
 
-SKIPPED = ("router",)  # float on purpose: routing decisions
-OUTPUT = ("logits",)   # the untied output layer: int8 with the embeddings (embedding="int8"), else float
-
-
-def quantizable(model_cfg):
-  """{param path: (n_in, kind)} of the model's quantizable weights, in call order: each dense
-  module's kernel ('.../query/kernel', n_in = its contracted axes; the output layer's kind 'output'),
-  each MoE expert weight ('.../moe/wi', kind 'experts') and each token embedding table
-  ('embed/embedding', kind 'embedding'). Recorded by running the model's init abstractly."""
-  model = model_lib.build_model(model_cfg)
-  seen = {}
-
-  def record(next_fun, args, kwargs, context):
-    fn = getattr(context.orig_method, "func", context.orig_method)
-    module = context.module
-    if isinstance(module, layers.TokenDense) and getattr(fn, "__qualname__", "") == "TokenDense.__call__":
-      if module.name not in SKIPPED:
-        n_in = len(module.axis) if isinstance(module.axis, tuple) else 1
-        seen["/".join(module.path) + "/kernel"] = (n_in, "output" if module.name in OUTPUT else "dense")
-    elif isinstance(module, layers.Embed) and context.method_name in ("__call__", "attend"):
-      seen["/".join(module.path) + "/embedding"] = (1, "embedding")
-    elif isinstance(module, moe.MoEFeedForward) and context.method_name == "expert_weight":
-      seen["/".join(module.path) + "/" + args[0]] = (1, "experts")
-    return next_fun(*args, **kwargs)
-
-  dummy = jnp.ones((1, 8), jnp.int32)
-  args = (dummy, dummy) if model_cfg.arch == "encoder_decoder" else (dummy,)
-  with nn.intercept_methods(record):
-    jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), *args))
-  return seen
+# Which weights are quantized: `model.quantizable` (there so that `inspect` can count their bytes).
+quantizable = model_lib.quantizable
 
 
 def _get(tree, path):
@@ -78,46 +48,31 @@ def quantize_params(params, model_cfg, bits, group_size=128, embedding="int8"):
 
   manifest: {"bits", "group_size", "embedding", "kernels": {path: {"k", "n"[, "bits"][, "experts"]}}},
   as `quantization.json` holds it."""
-  if embedding not in ("int8", "float"):
-    raise UserError(f"--embedding {embedding}: int8 or float")
-  if bits not in (8, 4):
-    raise UserError(f"--bits {bits}: 8 or 4")
-  if bits == 4 and (group_size < 2 or group_size % 2):
-    raise UserError(f"--group-size {group_size}: a positive even number (e.g. 128)")
   params = jax.tree.map(np.asarray, nn.unbox(params))  # (model.init's params are boxed with their axis names)
-  manifest = {"bits": bits, "group_size": group_size, "embedding": embedding, "kernels": {}}
+  found = quantizable(model_cfg)
+  shapes = {"/".join(path): x.shape for path, x in traverse_util.flatten_dict(params).items()}
+  manifest = qmatmul.plan_manifest(shapes, found, bits, group_size, embedding)  # (checks the scheme)
 
   def quant(w2, bits=bits):  # [K, N] -> (q, scale)
-    k = w2.shape[0]
     if bits == 8:
       return qmatmul.quantize_int8(w2)
-    g = qmatmul.group_for(k, group_size)
-    if k % g or g % 2:
-      raise UserError(f"int4: fan-in {k} is not a multiple of --group-size {group_size} (or is odd): "
-                      "choose a group size that divides every fan-in, or use --bits 8")
-    return qmatmul.quantize_int4(w2, g)
+    return qmatmul.quantize_int4(w2, qmatmul.group_for(w2.shape[0], group_size))
 
-  for path, (n_in, kind) in quantizable(model_cfg).items():
-    if kind in ("embedding", "output") and embedding == "float":
-      continue
+  for path, entry in manifest["kernels"].items():
+    kind = found[path][1]
     *parents, leaf = path.split("/")
     node = _get(params, "/".join(parents))
     w = node.pop(leaf)
     if kind == "embedding":  # [vocab, d_model]: the rows are the outputs of `attend`
       node["qkernel"], node["qscale"] = quant(w.T, 8)
-      manifest["kernels"][path] = {"k": int(w.shape[1]), "n": int(w.shape[0]), "bits": 8}
     elif kind == "output":
       node["qkernel"], node["qscale"] = quant(w, 8)
-      manifest["kernels"][path] = {"k": int(w.shape[0]), "n": int(w.shape[1]), "bits": 8}
     elif kind == "dense":
-      k = math.prod(w.shape[:n_in])
-      node["qkernel"], node["qscale"] = quant(w.reshape(k, -1))
-      manifest["kernels"][path] = {"k": k, "n": int(w.size // k)}
+      node["qkernel"], node["qscale"] = quant(w.reshape(entry["k"], -1))
     else:  # [experts, in, out]
       pairs = [quant(w[e]) for e in range(w.shape[0])]
       node[f"{leaf}_qkernel"] = np.stack([p[0] for p in pairs])
       node[f"{leaf}_qscale"] = np.stack([p[1] for p in pairs])
-      manifest["kernels"][path] = {"k": int(w.shape[1]), "n": int(w.shape[2]), "experts": int(w.shape[0])}
   return params, manifest
 
 

@@ -231,3 +231,65 @@ def test_commands_on_a_quantized_workdir(converted, tmp_path, capsys):
     quantize.main(["--workdir", workdir, "--out", str(tmp_path / "bad"), "--bits", "4", "--group-size", "7"])
   err = capsys.readouterr().err.strip()
   assert e.value.code == 2 and "\n" not in err and err.startswith("error: --group-size 7"), err
+
+
+@pytest.mark.parametrize("name,overrides", [("gpt2_tiny", []), ("llama_tiny", []),
+                                            ("llama_tiny", ["model.moe_experts=4", "model.moe_top_k=2"])])
+def test_inspect_weight_bytes_equal_quantize_params_output(name, overrides):
+  """`inspect.weight_bytes` (shapes only) predicts the bytes of `quantize_params`' arrays exactly, and
+  `inspect.quantized_manifest` (shapes only) is the manifest it writes."""
+  from jaxformer import config as config_lib, inspect, model as model_lib  # pylint: disable=g-import-not-at-top
+  cfg = config_lib.load_config(name, overrides)
+  model = model_lib.build_model(cfg.model)
+  params = jax.jit(model.init)(jax.random.key(0), jnp.ones((1, 8), jnp.int32))["params"]
+  params = jax.tree.map(np.asarray, params)
+  params = jax.tree.map(lambda x: getattr(x, "value", x), params, is_leaf=lambda x: hasattr(x, "value"))
+  assert inspect.weight_bytes(cfg, "float32")["total"] == quantize.tree_bytes(params)
+  for bits, group, embedding in ((8, 128, "int8"), (8, 128, "float"), (4, 16, "int8"), (4, 128, "float")):
+    qparams, manifest = quantize.quantize_params(params, cfg.model, bits, group, embedding)
+    predicted = inspect.weight_bytes(cfg, "float32", inspect.quantized_manifest(cfg, bits, group, embedding))
+    assert inspect.quantized_manifest(cfg, bits, group, embedding) == manifest
+    assert predicted["total"] == quantize.tree_bytes(qparams), (bits, group, embedding)
+    tables = sum(np.asarray(x).nbytes for p, e in manifest["kernels"].items() if "bits" in e
+                 for x in quantize._quantized_leaves(qparams, p))
+    assert predicted["tables"] == tables and bool(tables) == (embedding == "int8")
+    # bfloat16: the float leaves at 2 bytes, the quantized ones as they are
+    half = inspect.weight_bytes(cfg, "bfloat16", manifest)
+    assert half["float"] * 2 == predicted["float"] and half["kernels"] == predicted["kernels"]
+
+
+def test_inspect_cli_quantized(capsys):
+  from jaxformer import inspect  # pylint: disable=g-import-not-at-top
+  inspect.main(["--config", "gpt2_tiny", "--quantize", "4", "--group-size", "16", "--dtype", "float32"])
+  out = capsys.readouterr().out
+  assert "Weights, int4 weight-only" in out and "int4 weights (" in out
+  for argv, message in ((["--quantize", "3"], "error: --quantize 3: 8 or 4"),
+                        (["--quantize", "4", "--group-size", "24"], "error: int4: fan-in 32 is not a multiple"),
+                        (["--embedding", "float"], "error: --group-size and --embedding describe")):
+    with pytest.raises(SystemExit) as e:
+      inspect.main(["--config", "gpt2_tiny", *argv])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "\n" not in err and err.startswith(message), err
+
+
+def test_compile_decode_step_argument_bytes():
+  """`aot.compile_decode_step` from abstract params on this CPU: XLA's arguments shrink by exactly the
+  bytes `inspect.weight_bytes` predicts, and the quantized kernels' share of them is at most 0.27x
+  (int8) / 0.15x (int4) of their float32 bytes."""
+  from jaxformer import aot, config as config_lib, inspect  # pylint: disable=g-import-not-at-top
+  cfg = config_lib.load_config("llama_tiny", ["model.d_model=128", "model.d_ff=256", "model.vocab_size=256"])
+  args = {}
+  for bits in (None, 8, 4):
+    compiled, _, _ = aot.compile_decode_step(cfg, jax.devices()[:1], 1, 32, bits=bits)
+    args[bits] = aot.memory(compiled)["argument"]
+  plain = inspect.weight_bytes(cfg, "float32")["total"]
+  for bits, limit in ((8, 0.27), (4, 0.15)):
+    manifest = inspect.quantized_manifest(cfg, bits)
+    predicted = inspect.weight_bytes(cfg, "float32", manifest)
+    assert args[None] - args[bits] == plain - predicted["total"]  # XLA gets exactly the predicted bytes
+    as_float = lambda tables: sum(4 * e["k"] * e["n"] * e.get("experts", 1) for e in manifest["kernels"].values()
+                                  if ("bits" in e) == tables)
+    assert predicted["kernels"] <= limit * as_float(False)  # the int8/int4 kernels
+    assert predicted["tables"] <= 0.27 * as_float(True)     # the int8 tables (embeddings, output layer)
+  with pytest.raises(UserError, match="decoder-only"):
+    aot.compile_decode_step(config_lib.load_config("tiny_encdec"), jax.devices()[:1], 1, 8)
