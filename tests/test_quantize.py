@@ -1,6 +1,7 @@
 """Weight-only int8/int4 quantization: the formats against numpy, the CPU kernel against the XLA path,
 quantized workdirs through load_run/eval/generate against the float model of the dequantized weights."""
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -74,7 +75,7 @@ def _close(a, b, x, w):
 
 @pytest.mark.parametrize("m,k,n,bits,group", [(1, 768, 130, 8, 0), (3, 33, 17, 8, 0), (16, 257, 5, 8, 0),
                                               (1, 96, 7, 4, 32), (5, 130, 9, 4, 130), (8, 64, 41, 4, 8),
-                                              (2, 6, 3, 4, 6)])
+                                              (2, 6, 3, 4, 6), (1, 768, 701, 8, 0), (20, 1024, 603, 4, 128)])
 def test_cpu_kernel_matches_xla_path(m, k, n, bits, group):
   reason = qkernel.unavailable()
   if reason:
@@ -89,6 +90,32 @@ def test_cpu_kernel_matches_xla_path(m, k, n, bits, group):
   _close(kernel, xla, x, dense)
   _close(kernel, x.astype(np.float64) @ dense.T.astype(np.float64), x, dense)
   assert "jaxformer_qmatmul" in jax.jit(qmatmul.matmul).lower(x, q, s).as_text()  # decode rows take the kernel
+
+
+def test_cpu_kernel_split_across_workers_from_concurrent_callers():
+  """Products big enough to be split over the kernel's worker threads (>= 256 KiB of weights), called from
+  four Python threads at once (concurrent XLA executions: one gets the workers, the others run inline):
+  every result equals the XLA path's, call after call."""
+  if qkernel.unavailable():
+    pytest.skip(qkernel.unavailable())
+  rng = np.random.default_rng(7)
+  cases = []
+  for m, k, n, bits in ((1, 768, 1000, 8), (4, 1024, 700, 4), (3, 768, 1200, 8), (1, 2048, 600, 4)):
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    q, s = qmatmul.quantize_int8(w) if bits == 8 else qmatmul.quantize_int4(w, 128)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    cases.append((x, q, s, np.asarray(qmatmul.dequantize(jnp.asarray(q), jnp.asarray(s)))))
+  kernel = jax.jit(qkernel.call)
+
+  def hammer(case):
+    x, q, s, dense = case
+    expected = jax.jit(qmatmul.xla_matmul)(x, q, s)
+    for _ in range(30):
+      _close(kernel(x, q, s), expected, x, dense)
+    return True
+
+  with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    assert all(pool.map(hammer, cases))
 
 
 def test_forced_fallback_runs_the_xla_path_and_says_why_once(monkeypatch, caplog):

@@ -4,11 +4,18 @@
 //   int8: q int8 [N, K] with one scale per output, s [N];
 //   int4: q uint8 [N, K/2] (even k in the low nibble, odd k in the high one, signed), s [N, K/g].
 // Decode reads every weight once per token, so the loop streams each output's row of W once and
-// multiplies it against all M (<= 16) activation rows held in cache; outputs are split over XLA's
-// intra-op thread pool. AVX2 + FMA where the compiler targets them (-march=native), scalar otherwise.
+// multiplies it against all M (<= qmatmul.KERNEL_MAX_ROWS) activation rows held in cache; outputs are split
+// over the kernel's own worker threads (`Workers`). AVX2 + FMA where the compiler targets them
+// (-march=native), scalar otherwise.
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
 #include <cstdint>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -31,31 +38,94 @@ constexpr int64_t kRowBlock = 4;  // activation rows per pass over a weight row 
 #endif
 constexpr int64_t kAhead = JF_AHEAD;
 
-// Runs f(begin, end) over [0, n) split across the pool's threads and this one; returns when all are done.
-// Products of fewer than JF_INLINE_BYTES weight bytes run on the calling thread alone: handing half of
-// one to a pool thread cost ~50 us here (a wake-up; a 64 x 64 product took 53 us through the pool, 2 us
-// inline), more than it saves on GPT-2's 768 x 768 projections (0.6 MB int8).
+// Our own workers for the split products, not XLA's pool: a decode step makes ~70 short calls (50-300 us
+// each), and waking a sleeping pool thread for each cost tens of microseconds (a 64 x 64 product took 53 us
+// through the pool, 2 us inline). A worker spins (yielding its core to anything runnable) for kSpin after
+// each job, so the next call finds it awake, then sleeps on a condition variable: an idle process burns
+// nothing. One caller at a time: a second concurrent caller (another XLA execution) runs inline.
+class Workers {
+ public:
+  static Workers& Get() {
+    static Workers* workers = new Workers();  // never destroyed: threads may still wait at exit
+    return *workers;
+  }
+  int64_t size() const { return static_cast<int64_t>(threads_) + 1; }  // workers plus the caller
+
+  // Runs job(c) for c in [0, chunks) on the workers and this thread; false (nothing run) when busy.
+  bool Run(int64_t chunks, const std::function<void(int64_t)>& job) {
+    std::unique_lock<std::mutex> busy(run_, std::try_to_lock);
+    if (!busy.owns_lock() || getpid() != pid_) return false;  // busy, or a forked child (no workers)
+    job_ = &job;
+    done_.store(0, std::memory_order_relaxed);
+    uint64_t generation;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      generation = generation_.load(std::memory_order_relaxed) + 1;
+      // chunks are claimed from `ticket_` = generation << 32 | chunks << 16 | next chunk, one atomic: a
+      // worker still holding an older generation cannot claim (or count) a chunk of this job
+      ticket_.store(generation << 32 | static_cast<uint64_t>(chunks) << 16, std::memory_order_release);
+      generation_.store(generation, std::memory_order_release);
+    }
+    cv_.notify_all();
+    Claim(generation);
+    while (done_.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+    return true;
+  }
+
+ private:
+  static constexpr auto kSpin = std::chrono::microseconds(300);
+  Workers() : pid_(getpid()) {
+    threads_ = std::min(std::max(1u, std::thread::hardware_concurrency()), 64u) - 1;
+    for (unsigned i = 0; i < threads_; ++i) std::thread([this] { Loop(); }).detach();
+  }
+  void Claim(uint64_t generation) {
+    for (uint64_t t = ticket_.load(std::memory_order_acquire);;) {
+      if ((t >> 32) != generation || (t & 0xffff) >= ((t >> 16) & 0xffff)) return;
+      if (ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
+        (*job_)(static_cast<int64_t>(t & 0xffff));
+        done_.fetch_add(1, std::memory_order_acq_rel);
+        t = ticket_.load(std::memory_order_acquire);
+      }
+    }
+  }
+  void Loop() {
+    uint64_t seen = 0;
+    for (;;) {
+      const auto start = std::chrono::steady_clock::now();
+      while (generation_.load(std::memory_order_acquire) == seen) {
+        if (std::chrono::steady_clock::now() - start > kSpin) {
+          std::unique_lock<std::mutex> lock(mu_);
+          cv_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
+        } else {
+          std::this_thread::yield();
+        }
+      }
+      seen = generation_.load(std::memory_order_acquire);
+      Claim(seen);
+    }
+  }
+  unsigned threads_ = 0;
+  const pid_t pid_;
+  std::mutex run_, mu_;
+  std::condition_variable cv_;
+  std::atomic<uint64_t> generation_{0}, ticket_{0};
+  std::atomic<int64_t> done_{0};
+  const std::function<void(int64_t)>* job_ = nullptr;
+};
+
+// Runs f(begin, end) over [0, n) split across the workers and this thread; returns when all are done.
+// Products of fewer than JF_INLINE_BYTES weight bytes run on the calling thread alone (splitting them saves
+// less than the hand-over costs).
 #ifndef JF_INLINE_BYTES
-#define JF_INLINE_BYTES (1 << 20)
+#define JF_INLINE_BYTES (1 << 18)
 #endif
 template <typename F>
-void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t bytes, F f) {
-  int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  int64_t chunks = bytes < JF_INLINE_BYTES ? 1 : std::min<int64_t>(threads, std::max<int64_t>(1, n / 16));
-  if (chunks <= 1) {
-    f(0, n);
-    return;
-  }
-  std::atomic<int64_t> done{0};
+void ParallelFor(int64_t n, int64_t bytes, F f) {
+  Workers& workers = Workers::Get();
+  const int64_t chunks = bytes < JF_INLINE_BYTES ? 1 : std::min<int64_t>(workers.size(), std::max<int64_t>(1, n / 16));
   auto bound = [&](int64_t c) { return n * c / chunks; };
-  for (int64_t c = 1; c < chunks; ++c) {
-    pool.Schedule([&, c] {
-      f(bound(c), bound(c + 1));
-      done.fetch_add(1, std::memory_order_release);
-    });
-  }
-  f(bound(0), bound(1));
-  while (done.load(std::memory_order_acquire) != chunks - 1) std::this_thread::yield();
+  if (chunks > 1 && workers.Run(chunks, [&](int64_t c) { f(bound(c), bound(c + 1)); })) return;
+  f(0, n);
 }
 
 #ifdef JF_AVX2
@@ -144,17 +214,23 @@ void Int4Tile(const float* xe, const float* xo, const uint8_t* q, const float* s
         for (int b = 0; b < NB; ++b) {
           const __m256i v = _mm256_cvtepi8_epi32(
               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + (n + b) * half + j)));  // sign-extended bytes
-          const __m256 lo = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 28), 28));
-          const __m256 hi = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 4));
+          // lo * 2^28 and hi * 16, exactly (the nibble left where it lies: one integer op each, not two);
+          // the powers of two come off the group's sums below, exactly too
+          const __m256 lo = _mm256_cvtepi32_ps(_mm256_slli_epi32(v, 28));
+          const __m256 hi = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(-16)));
           for (int r = 0; r < R; ++r) {
             pl[r][b] = _mm256_fmadd_ps(lo, e[r], pl[r][b]);
             ph[r][b] = _mm256_fmadd_ps(hi, o[r], ph[r][b]);
           }
         }
       }
+      const __m256 lo_unit = _mm256_set1_ps(1.0f / (1 << 28)), hi_unit = _mm256_set1_ps(1.0f / 16);
       for (int b = 0; b < NB; ++b) {
         const __m256 sv = _mm256_set1_ps(s[(n + b) * groups + g]);
-        for (int r = 0; r < R; ++r) a[r][b] = _mm256_fmadd_ps(_mm256_add_ps(pl[r][b], ph[r][b]), sv, a[r][b]);
+        for (int r = 0; r < R; ++r) {
+          const __m256 sum = _mm256_fmadd_ps(pl[r][b], lo_unit, _mm256_mul_ps(ph[r][b], hi_unit));
+          a[r][b] = _mm256_fmadd_ps(sum, sv, a[r][b]);
+        }
       }
     }
 #endif
@@ -213,7 +289,7 @@ ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   const int8_t* qp = q.typed_data();
   const float* sp = s.typed_data();
   float* yp = y->typed_data();
-  ParallelFor(pool, N, N * K, [&](int64_t n0, int64_t n1) {
+  ParallelFor(N, N * K, [&](int64_t n0, int64_t n1) {
     for (int64_t m = 0; m < M; m += kRowBlock) JF_DISPATCH(std::min(kRowBlock, M - m), Int8Rows, xp, qp, sp, yp, m, K, N, n0, n1)
   });
   return ffi::Error::Success();
@@ -237,7 +313,7 @@ ffi::Error Int4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   const uint8_t* qp = q.typed_data();
   const float* sp = s.typed_data();
   float* yp = y->typed_data();
-  ParallelFor(pool, N, N * half, [&](int64_t n0, int64_t n1) {
+  ParallelFor(N, N * half, [&](int64_t n0, int64_t n1) {
     for (int64_t m = 0; m < M; m += kRowBlock)
       JF_DISPATCH4(std::min(kRowBlock, M - m), Int4Rows, xe.data(), xo.data(), qp, sp, yp, m, K, N, groups, n0, n1)
   });
