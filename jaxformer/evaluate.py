@@ -55,6 +55,21 @@ def translate(model, params, tokenizer, sources, beam_size=4, alpha=0.6, max_ext
   length_penalty, early_stopping, suppress_pad: as in `decode.beam_search` (decode.* config).
   """
   ids = [tokenizer.encode(s) + [tokenizer.eos_id] for s in sources]
+  tokens = translate_ids(model, params, ids, beam_size, alpha, max_extra_len, batch_size, log, length_penalty,
+                         early_stopping, suppress_pad)
+  return [tokenizer.decode(t) for t in tokens]
+
+
+def source_widths(max_source_len):
+  """The padded source widths `translate` can use for sources of up to `max_source_len` tokens (with EOS)."""
+  widths = [w for w in _WIDTHS if w < max_source_len]
+  return widths + [next((w for w in _WIDTHS if w >= max_source_len), max_source_len)]
+
+
+def translate_ids(model, params, ids, beam_size=4, alpha=0.6, max_extra_len=50, batch_size=64, log=None,
+                  length_penalty="gnmt", early_stopping="false", suppress_pad=False):
+  """`translate` on token ids: sources [n][len] (EOS included) -> output token arrays [n][steps] (EOS/pad
+  after the end, as `decode` returns them), sorted into batches of `batch_size` rows and padded widths."""
   order = np.argsort([len(x) for x in ids], kind="stable")
   hyps = [None] * len(ids)
   start = time.time()
@@ -74,7 +89,7 @@ def translate(model, params, tokenizer, sources, beam_size=4, alpha=0.6, max_ext
                                   early_stopping=early_stopping, suppress_pad=suppress_pad)[0][:, 0]
     tokens = np.asarray(tokens)
     for row, i in enumerate(chunk):
-      hyps[i] = tokenizer.decode(tokens[row])
+      hyps[i] = tokens[row]
     if log:
       done = min(n + batch_size, len(order))
       rate = done / max(time.time() - start, 1e-9)

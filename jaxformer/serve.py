@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP server for a decoder-only workdir: the thin layer over `jaxformer.engine`.
+"""An OpenAI-compatible HTTP server for a workdir: the thin layer over `jaxformer.engine` (and `jaxformer.batcher`).
 
     python -m jaxformer.serve --workdir W [--host 127.0.0.1] [--port 8000] [--max-batch 8] [--kv-blocks N]
         [--block-size 16] [--max-seq-len L] [--prefill-chunk 256] [--max-waiting 256] [--drain-s 30]
@@ -8,6 +8,9 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (streamed as server-s
 `stream` is true), GET /v1/models, GET /health, GET /metrics (Prometheus). The chat endpoint renders
 `messages` with the run's chat template exactly as `python -m jaxformer.generate --chat` does
 (`chat.prompt_ids`) and stops at the end of the assistant's turn (`chat.end_of_turn_ids`).
+A translation (encoder-decoder) workdir serves POST /v1/translate instead: `{"text": "..." | [...]}` ->
+`{"translations": [...]}`, requests beam-searched together (up to --max-batch sentences per call) with
+the run's decode settings, as `eval.py` translates.
 
 Bad input is a 400 with OpenAI's error object naming the field; a full queue a 429 with Retry-After;
 a body above --max-body-bytes a 413; a missing or wrong key (with --api-key) a 401. SIGTERM stops
@@ -25,6 +28,7 @@ import sys
 import time
 
 from jaxformer import chat
+from jaxformer import batcher as batcher_lib
 from jaxformer import engine as engine_lib
 from jaxformer import evaluate
 from jaxformer import generate
@@ -97,9 +101,12 @@ def sampling_fields(body, chat_api, max_seq_len):
 class Server:
   """The engine thread, the tokenizer, the chat template and the metrics of one served run."""
 
-  def __init__(self, engine, tokenizer, cfg, workdir, model_name, api_key=None, max_body_bytes=1 << 20):
+  def __init__(self, engine, tokenizer, cfg, workdir, model_name, api_key=None, max_body_bytes=1 << 20,
+               translator=None):
+    """engine: the LM engine (None for a translation run, whose `translator` is a batcher.TranslationBatcher)."""
     import prometheus_client as prom  # pylint: disable=g-import-not-at-top
     self.engine, self.tokenizer, self.cfg, self.workdir = engine, tokenizer, cfg, workdir
+    self.translator = translator
     self.model_name, self.api_key, self.max_body_bytes = model_name, api_key, max_body_bytes
     self.created = int(time.time())
     self.compilations_at_start = engine_lib.compilations()
@@ -133,11 +140,15 @@ class Server:
     """(Prometheus text of every metric, its content type), the gauges read from the engine now."""
     import prometheus_client as prom  # pylint: disable=g-import-not-at-top
     e = self.engine
-    self.m_running.set(e.running())
-    self.m_waiting.set(len(e.waiting))
-    self.m_used.set(e.pool.used())
-    self.m_free.set(e.pool.available())
-    self.m_hit.set(e.stats["cached_tokens"] / max(e.stats["prompt_tokens"], 1))
+    if e is None:  # a translation run: sentences being translated and requests waiting
+      self.m_running.set(self.translator.busy)
+      self.m_waiting.set(len(self.translator.waiting))
+    else:
+      self.m_running.set(e.running())
+      self.m_waiting.set(len(e.waiting))
+      self.m_used.set(e.pool.used())
+      self.m_free.set(e.pool.available())
+      self.m_hit.set(e.stats["cached_tokens"] / max(e.stats["prompt_tokens"], 1))
     self.m_compiles.set(engine_lib.compilations() - self.compilations_at_start)
     return prom.generate_latest(self.registry), prom.CONTENT_TYPE_LATEST
 
@@ -257,6 +268,7 @@ def make_app(server, drain_s=30.0):
   from fastapi.responses import JSONResponse, Response  # pylint: disable=g-import-not-at-top
   from sse_starlette import EventSourceResponse  # pylint: disable=g-import-not-at-top
   import anyio  # pylint: disable=g-import-not-at-top
+  import anyio.to_thread  # pylint: disable=g-import-not-at-top
 
   app = FastAPI(title="jaxformer", docs_url=None, redoc_url=None)
 
@@ -296,6 +308,9 @@ def make_app(server, drain_s=30.0):
       return fail(BadRequest("the server is shutting down", None, status=503, kind="server_shutting_down"))
     try:
       body = await read_body(request)
+      if server.engine is None:
+        raise BadRequest(f"{server.model_name} is a translation model: POST /v1/translate with {{\"text\": [...]}}",
+                         None, status=404, code="unsupported_endpoint")
       max_seq_len = server.engine.max_seq_len
       sampling = sampling_fields(body, chat_api, max_seq_len)
       if chat_api:
@@ -460,6 +475,40 @@ def make_app(server, drain_s=30.0):
   async def chat_completions(request: Request):
     return await run(request, chat_api=True)
 
+  @app.post("/v1/translate")
+  async def translate(request: Request):
+    if not server.accepting:
+      return fail(BadRequest("the server is shutting down", None, status=503, kind="server_shutting_down"))
+    try:
+      body = await read_body(request)
+      if server.translator is None:
+        raise BadRequest(f"{server.model_name} is a decoder-only model: use /v1/completions or /v1/chat/completions",
+                         None, status=404, code="unsupported_endpoint")
+      texts = body.get("text")
+      texts = [texts] if isinstance(texts, str) else texts
+      if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        raise BadRequest("'text' must be a string or a list of strings", "text")
+      try:
+        server.translator.check(texts)
+      except UserError as e:
+        raise BadRequest(str(e), "text") from None
+      except OverflowError as e:
+        raise BadRequest(f"the queue is full ({e}): retry later", None, status=429, kind="rate_limit_exceeded",
+                         headers={"Retry-After": "1"}) from None
+    except BadRequest as e:
+      server.m_requests.labels("rejected").inc()
+      return fail(e)
+    job = server.translator.submit(texts)
+    await anyio.to_thread.run_sync(job.done.wait)
+    if job.error is not None:
+      server.m_requests.labels("error").inc()
+      return fail(BadRequest(f"translation failed: {job.error}", None, status=500, kind="server_error"))
+    server.m_requests.labels("success").inc()
+    tokens = sum(len(server.tokenizer.encode(t)) + 1 for t in texts)
+    server.m_prompt.inc(tokens)
+    return {"object": "translation", "model": server.model_name, "translations": job.translations,
+            "usage": {"source_tokens": tokens}}
+
   @app.get("/v1/models")
   async def models(request: Request):
     try:
@@ -467,12 +516,14 @@ def make_app(server, drain_s=30.0):
     except BadRequest as e:
       return fail(e)
     return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
-                                        "owned_by": "jaxformer", "max_model_len": server.engine.max_seq_len}]}
+                                        "owned_by": "jaxformer", "max_model_len": (
+                                            server.engine.max_seq_len if server.engine else server.cfg.model.max_len)}]}
 
   @app.get("/health")
   async def health():
-    return {"status": "ok" if server.accepting else "draining", "running": server.engine.running(),
-            "waiting": len(server.engine.waiting)}
+    work = server.engine or server.translator
+    running = server.engine.running() if server.engine else server.translator.busy
+    return {"status": "ok" if server.accepting else "draining", "running": running, "waiting": len(work.waiting)}
 
   @app.get("/metrics")
   async def metrics():
@@ -512,13 +563,15 @@ def build(args, log=print):
   runtime.keep_freed_memory()
   runtime.use_compilation_cache()
   cfg, model, params, tokenizer, _ = evaluate.load_run(args.workdir, step=args.step, log=lambda *_: None)
+  name = args.model_name or os.path.basename(os.path.abspath(args.workdir))
   if cfg.model.arch != "decoder_only":
-    raise UserError(f"{args.workdir} holds a translation model: /v1/translate is not served yet; use eval.py")
+    translator = batcher_lib.TranslationBatcher(cfg, model, params, tokenizer, args.max_batch, args.max_waiting)
+    seconds = translator.warm_up()
+    return Server(None, tokenizer, cfg, args.workdir, name, args.api_key, args.max_body_bytes, translator), seconds
   engine = engine_lib.Engine(model, params, max_batch=args.max_batch, kv_blocks=args.kv_blocks,
                              block_size=args.block_size, max_seq_len=args.max_seq_len,
                              prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting)
   seconds = engine.warm_up()
-  name = args.model_name or os.path.basename(os.path.abspath(args.workdir))
   server = Server(engine, tokenizer, cfg, args.workdir, name, args.api_key, args.max_body_bytes)
   return server, seconds
 
@@ -542,11 +595,18 @@ def main(argv):
   app = make_app(server, args.drain_s)
   config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.drain_s, access_log=False)
   uv = uvicorn.Server(config)
-  server.engine.start()
+  work = server.engine or server.translator
+  work.start()
   e = server.engine
-  print(f"jaxformer.serve: ready at http://{args.host}:{port}/v1 model={server.model_name} slots={e.max_batch} "
-        f"kv={e.pool.num_blocks} blocks x {e.block_size} tokens ({e.capacity_tokens()} tokens) "
-        f"max_seq_len={e.max_seq_len} prefill_chunk={e.prefill_chunk} warm-up {seconds:.1f}s", flush=True)
+  if e is None:
+    d = server.cfg.decode
+    print(f"jaxformer.serve: ready at http://{args.host}:{port}/v1 model={server.model_name} (translation: POST "
+          f"/v1/translate) batch={args.max_batch} sentences beam={d.beam_size} alpha={d.alpha} "
+          f"max_source_len={server.translator.max_source_len} warm-up {seconds:.1f}s", flush=True)
+  else:
+    print(f"jaxformer.serve: ready at http://{args.host}:{port}/v1 model={server.model_name} slots={e.max_batch} "
+          f"kv={e.pool.num_blocks} blocks x {e.block_size} tokens ({e.capacity_tokens()} tokens) "
+          f"max_seq_len={e.max_seq_len} prefill_chunk={e.prefill_chunk} warm-up {seconds:.1f}s", flush=True)
   # uvicorn re-raises the SIGTERM it handled once it has drained, under the handler it found: a no-op
   # one here, so a drained server exits 0 (a second Ctrl-C during the drain forces the exit, as uvicorn does).
   signal.signal(signal.SIGTERM, lambda *_: None)
@@ -554,7 +614,7 @@ def main(argv):
     uv.run(sockets=[sock])
   finally:
     server.accepting = False
-    server.engine.stop()
+    work.stop()
   print("jaxformer.serve: stopped", file=sys.stderr, flush=True)
 
 

@@ -303,3 +303,53 @@ def test_a_quantized_workdir_serves_the_tokens_generate_gives_it(workdir, tmp_pa
       assert list(pool.map(ask, prompts)) == [e[:12] for e in expected]
   finally:
     _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def translation_workdir(tmp_path_factory):
+  """A tiny_encdec workdir made by hand (random params, a char tokenizer), beam 2 as its decode setting."""
+  path = tmp_path_factory.mktemp("serve_translation")
+  tok = tokenizer_lib.CharTokenizer.train([TEXT])
+  cfg = config_lib.load_config("tiny_encdec", [f"model.vocab_size={tok.vocab_size}", "data.tokenizer=char",
+                                               "model.max_len=48", "decode.beam_size=2", "decode.max_extra_len=6"])
+  tok.save(str(path / "tokenizer.json"))
+  model = model_lib.build_model(cfg.model)
+  ids = jnp.zeros((1, 8), jnp.int32)
+  shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), ids, ids)["params"]
+  rng = np.random.default_rng(1)
+  params = jax.tree.map(lambda s: np.asarray(rng.normal(0.0, 0.3, s.shape), s.dtype), nn.unbox(shapes))
+  checkpoint_lib.save_params(str(path), params, step=1)
+  (path / "config.json").write_text(config_lib.to_json(cfg))
+  return str(path)
+
+
+def test_a_translation_workdir_serves_v1_translate_as_eval_translates(translation_workdir):
+  """POST /v1/translate: one request of several sentences, and 3 concurrent ones batched together, give
+  `evaluate.translate`'s beam-search output with the run's decode settings; bad input is a 400, the
+  completions endpoint a 404 naming /v1/translate; no compilation after the ready line."""
+  cfg, model, params, tokenizer, _ = evaluate.load_run(translation_workdir, log=lambda *a: None)
+  texts = [TEXT[k:k + 5 + k] for k in range(0, 12, 2)]
+  d = cfg.decode
+  expected = evaluate.translate(model, params, tokenizer, texts, d.beam_size, d.alpha, d.max_extra_len, batch_size=4,
+                                length_penalty=d.length_penalty, early_stopping=d.hf_early_stopping,
+                                suppress_pad=d.suppress_pad)
+  proc, url = _start(translation_workdir, "--max-batch", "4")
+  try:
+    post = lambda body: httpx.post(url + "/translate", json=body, timeout=120)
+    one = post({"text": texts[:4]})
+    assert one.status_code == 200, one.text
+    assert one.json()["translations"] == expected[:4]
+    assert one.json()["usage"]["source_tokens"] == sum(len(t) + 1 for t in texts[:4])
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:  # 1 + 2 + 1 sentences: one call of 4 rows
+      answers = list(pool.map(post, [{"text": texts[4]}, {"text": texts[:2]}, {"text": [texts[5]]}]))
+    assert [a.json()["translations"] for a in answers] == [[expected[4]], expected[:2], [expected[5]]]
+    for body, field in (({"text": 3}, "text"), ({"text": []}, "text"), ({"text": ["a" * 60]}, "text")):
+      r = post(body)
+      assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert "above this model's 48" in r.json()["error"]["message"]  # the last: 61 tokens with EOS
+    r = httpx.post(url + "/completions", json={"prompt": "All", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 404 and "/v1/translate" in r.json()["error"]["message"]
+    metrics = httpx.get(url.rsplit("/v1", 1)[0] + "/metrics", timeout=60).text
+    assert re.search(r"^jaxformer_xla_compilations_since_start 0\.0$", metrics, re.M), metrics
+  finally:
+    _stop(proc)
