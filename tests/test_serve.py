@@ -353,3 +353,25 @@ def test_a_translation_workdir_serves_v1_translate_as_eval_translates(translatio
     assert re.search(r"^jaxformer_xla_compilations_since_start 0\.0$", metrics, re.M), metrics
   finally:
     _stop(proc)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2"])
+def test_a_converted_workdir_serves_the_tokens_generate_gives_it(converted, name):
+  """Workdirs imported with `convert --from-hf` (Mixtral: MoE layers; Qwen2: qkv biases, its tokenizer.json)
+  served: 3 concurrent greedy completions equal jaxformer.generate's on the same workdir."""
+  workdir, cfg, model, params, tokenizer = converted(name)
+  prompts = ["Hello there", "The quick brown fox", "1 2 3"]
+  expected = [generate.generate_text(model, params, tokenizer, cfg, [p], max_new_tokens=8, temperature=0.0,
+                                     top_k=0, top_p=1.0)[0] for p in prompts]
+  proc, url = _start(workdir, "--max-batch", "3", "--max-seq-len", "64")
+  try:
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    name = client.models.list().data[0].id
+
+    def ask(p):
+      return client.completions.create(model=name, prompt=p, max_tokens=8, temperature=0).choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+      assert list(pool.map(ask, prompts)) == expected
+  finally:
+    _stop(proc)
