@@ -283,8 +283,15 @@ def make_app(server, drain_s=30.0):
       raise BadRequest("missing or wrong API key: send the header 'Authorization: Bearer KEY'", None, status=401,
                        kind="authentication_error", code="invalid_api_key")
 
-  async def read_body(request):
+  async def read_body(request, translation):
+    """The request's JSON object, after the key, size, model and endpoint checks (translation: /v1/translate)."""
     check_key(request)
+    if translation and server.translator is None:
+      raise BadRequest(f"{server.model_name} is a decoder-only model: use /v1/completions or /v1/chat/completions",
+                       None, status=404, code="unsupported_endpoint")
+    if not translation and server.engine is None:
+      raise BadRequest(f"{server.model_name} is a translation model: POST /v1/translate with {{\"text\": [...]}}",
+                       None, status=404, code="unsupported_endpoint")
     size = request.headers.get("content-length")
     if size and size.isdigit() and int(size) > server.max_body_bytes:
       raise BadRequest(f"the request body is {size} bytes, above the limit of {server.max_body_bytes} bytes",
@@ -307,10 +314,7 @@ def make_app(server, drain_s=30.0):
     if not server.accepting:
       return fail(BadRequest("the server is shutting down", None, status=503, kind="server_shutting_down"))
     try:
-      body = await read_body(request)
-      if server.engine is None:
-        raise BadRequest(f"{server.model_name} is a translation model: POST /v1/translate with {{\"text\": [...]}}",
-                         None, status=404, code="unsupported_endpoint")
+      body = await read_body(request, translation=False)
       max_seq_len = server.engine.max_seq_len
       sampling = sampling_fields(body, chat_api, max_seq_len)
       if chat_api:
@@ -480,10 +484,7 @@ def make_app(server, drain_s=30.0):
     if not server.accepting:
       return fail(BadRequest("the server is shutting down", None, status=503, kind="server_shutting_down"))
     try:
-      body = await read_body(request)
-      if server.translator is None:
-        raise BadRequest(f"{server.model_name} is a decoder-only model: use /v1/completions or /v1/chat/completions",
-                         None, status=404, code="unsupported_endpoint")
+      body = await read_body(request, translation=True)
       texts = body.get("text")
       texts = [texts] if isinstance(texts, str) else texts
       if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):

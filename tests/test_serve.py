@@ -72,6 +72,22 @@ def _stop(proc):
   proc.wait(timeout=30)
 
 
+def _served_greedy(workdir, prompts, max_tokens, *flags):
+  """Starts a server on `workdir` and sends `prompts` as concurrent greedy completions -> their texts."""
+  proc, url = _start(workdir, *flags)
+  try:
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    name = client.models.list().data[0].id
+
+    def ask(p):
+      return client.completions.create(model=name, prompt=p, max_tokens=max_tokens, temperature=0).choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+      return list(pool.map(ask, prompts))
+  finally:
+    _stop(proc)
+
+
 @pytest.fixture(scope="module")
 def server(workdir):
   """(base url, openai client) of a server with 4 slots."""
@@ -291,18 +307,7 @@ def test_a_quantized_workdir_serves_the_tokens_generate_gives_it(workdir, tmp_pa
   prompts = [TEXT[k:k + 4 + 5 * k] for k in range(4)]  # short: prefill rows stay on the kernel in both
   expected = [generate.generate_text(model, params, tokenizer, cfg, [p], max_new_tokens=12, temperature=0.0,
                                      top_k=0, top_p=1.0)[0] for p in prompts]
-  proc, url = _start(qdir, "--max-batch", "4")
-  try:
-    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
-    name = client.models.list().data[0].id
-
-    def ask(p):
-      return client.completions.create(model=name, prompt=p, max_tokens=12, temperature=0).choices[0].text
-
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-      assert list(pool.map(ask, prompts)) == [e[:12] for e in expected]
-  finally:
-    _stop(proc)
+  assert _served_greedy(qdir, prompts, 12, "--max-batch", "4") == [e[:12] for e in expected]
 
 
 @pytest.fixture(scope="module")
@@ -363,15 +368,4 @@ def test_a_converted_workdir_serves_the_tokens_generate_gives_it(converted, name
   prompts = ["Hello there", "The quick brown fox", "1 2 3"]
   expected = [generate.generate_text(model, params, tokenizer, cfg, [p], max_new_tokens=8, temperature=0.0,
                                      top_k=0, top_p=1.0)[0] for p in prompts]
-  proc, url = _start(workdir, "--max-batch", "3", "--max-seq-len", "64")
-  try:
-    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
-    name = client.models.list().data[0].id
-
-    def ask(p):
-      return client.completions.create(model=name, prompt=p, max_tokens=8, temperature=0).choices[0].text
-
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
-      assert list(pool.map(ask, prompts)) == expected
-  finally:
-    _stop(proc)
+  assert _served_greedy(workdir, prompts, 8, "--max-batch", "3", "--max-seq-len", "64") == expected

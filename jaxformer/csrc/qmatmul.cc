@@ -280,7 +280,7 @@ void Int4Rows(const float* xe, const float* xo, const uint8_t* q, const float* s
     default: FN<4, 1>(__VA_ARGS__); break; \
   }
 
-ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
+ffi::Error Int8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
                     ffi::Buffer<ffi::F32> s, ffi::ResultBuffer<ffi::F32> y) {
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = q.dimensions()[0];
   if (q.dimensions()[1] != K || s.element_count() != N)
@@ -295,7 +295,7 @@ ffi::Error Int8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   return ffi::Error::Success();
 }
 
-ffi::Error Int4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q,
+ffi::Error Int4Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q,
                     ffi::Buffer<ffi::F32> s, ffi::ResultBuffer<ffi::F32> y) {
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = q.dimensions()[0];
   if (s.dimensions().size() != 2) return ffi::Error::InvalidArgument("qmatmul int4: scales must be [N, groups]");
@@ -324,7 +324,6 @@ ffi::Error Int4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JfQmatmulInt8, Int8Impl,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -332,7 +331,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JfQmatmulInt8, Int8Impl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JfQmatmulInt4, Int4Impl,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
