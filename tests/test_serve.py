@@ -278,19 +278,25 @@ def test_key_queue_disconnect_and_sigterm_drain(workdir, local):
     assert quick.choices[0].finish_reason == "length"
     health = httpx.get(url[:-3] + "/health").json()
     assert health["running"] == 0 and health["waiting"] == 0
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-      long = lambda: client.completions.create(model=model_id, prompt="Before", max_tokens=200, temperature=0)
-      first = pool.submit(long)
+    body = {"prompt": "Before", "max_tokens": 240, "temperature": 0}
+    post = lambda: httpx.post(url + "/completions", json=body, headers={"Authorization": "Bearer sesame"}, timeout=120)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+      first = pool.submit(post)
       while httpx.get(url[:-3] + "/health").json()["running"] < 1:
         time.sleep(0.05)
-      second = pool.submit(long)
-      while httpx.get(url[:-3] + "/health").json()["waiting"] < 1:
-        time.sleep(0.05)
-      full = httpx.post(url + "/completions", json={"prompt": "a"}, headers={"Authorization": "Bearer sesame"})
-      assert full.status_code == 429 and full.headers["retry-after"] == "1"
-      proc.send_signal(signal.SIGTERM)
-      texts = [first.result().choices[0], second.result().choices[0]]
-    assert [c.text for c in texts] == _expected(local, ["Before"] * 2, 200)
+      # Three at once while the slot is taken (240 tokens): one takes the waiting place, two find the queue
+      # full. (Sent one by one, the waiting request could take the slot between a /health poll and the third.)
+      # SIGTERM only once both refusals are back: all three have reached the server, none is refused at connect.
+      more = [pool.submit(post) for _ in range(3)]
+      done = concurrent.futures.as_completed(more)
+      rejected = [next(done).result(), next(done).result()]
+      proc.send_signal(signal.SIGTERM)   # draining: the running and waiting requests still finish
+      waited = [f for f in more if all(f.result() is not r for r in rejected)]
+      answers = [first.result(), waited[0].result()]
+    for r in rejected:
+      assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+    assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+    assert [a.json()["choices"][0]["text"] for a in answers] == _expected(local, ["Before"] * 2, 240)
     assert proc.wait(timeout=60) == 0
   finally:
     _stop(proc)
