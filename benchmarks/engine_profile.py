@@ -4,7 +4,7 @@
         [--kv-blocks 512] [same request flags as serve_load.py: --num-requests 32 --concurrency 16 ...]
 
 W: `python benchmarks/serve_load.py make-workdir --out W`. Prints the decode step's time at each history
-width (all slots idle, median of 5 calls), a one-row prefill chunk's at each bucket, then the same requests
+width (all slots idle, median of 5 calls), a prefill call's at each chunk bucket and history width, then the same requests
 as `serve_load.py load` sent straight to `engine.Engine` (`--concurrency` in flight) with the seconds spent
 in prefill and in decode calls.
 """
@@ -51,14 +51,12 @@ def main():
   print(f"warm-up {eng.warm_up():.1f}s", flush=True)
   rows = args.max_batch
   for w in eng.history_buckets:
-    ms = _median_ms(lambda: eng._run([None] * rows, np.zeros((rows, 1), np.int32), np.zeros(rows, np.int32),
-                                     np.full(rows, w * eng.block_size - 1, np.int32), w))
+    ms = _median_ms(lambda: eng._run([[]] * rows, 1, w, 1))
     print(f"decode step, {rows} rows, history width {w * eng.block_size} slots: {ms:.1f} ms", flush=True)
   for b in eng.buckets:
-    ms = _median_ms(lambda: eng._run([None], np.zeros((1, b), np.int32), np.zeros(1, np.int32),
-                                     np.zeros(1, np.int32)))
-    print(f"prefill chunk, 1 row, {b} tokens (all {eng.blocks_per_seq * eng.block_size} history slots): {ms:.1f} ms",
-          flush=True)
+    for w in eng.prefill_widths:
+      ms = _median_ms(lambda: eng._run([[]], b, w, eng.max_pack))
+      print(f"prefill call, 1 row, {b} tokens, {w * eng.block_size} history slots: {ms:.1f} ms", flush=True)
 
   spent = collections.Counter()
   for name in ("_prefill", "_decode"):
@@ -85,7 +83,8 @@ def main():
         submit()
   wall = time.perf_counter() - start
   print(f"engine, {args.concurrency} in flight: {len(reqs)} requests in {wall:.1f}s, "
-        f"{sum(n for _, n in reqs) / wall:.1f} output tok/s; {spent['steps']} steps, prefill calls "
+        f"{sum(n for _, n in reqs) / wall:.1f} output tok/s; {spent['steps']} steps, "
+        f"{eng.stats['prefill_calls']} prefill calls ({eng.stats['prefill_pieces']} prompt pieces) "
         f"{spent['_prefill']:.1f}s, decode calls {spent['_decode']:.1f}s", flush=True)
 
 

@@ -7,18 +7,21 @@
 
 A fixed number of decode slots (`max_batch`) run together; requests wait in a FIFO queue and take a
 free slot at the next step, and leave the moment they finish (a stop id, `max_tokens`, the length
-limit, `cancel`), freeing their slot and blocks. Each step prefills at most `prefill_chunk` prompt
-tokens (one request's chunk at a time, padded to a few static bucket sizes) and then runs one decode
-step over all slots, so a long prompt never stalls the running requests for more than a chunk.
+limit, `cancel`), freeing their slot and blocks. Each step makes one prefill call of at most
+`prefill_chunk` prompt tokens (the oldest prompts' next pieces packed side by side in one row, each its
+own segment, padded to a few static bucket sizes) and then one decode call over all slots, so the weights
+are read twice per step however many prompts wait, and a long prompt never stalls the running requests
+for more than a chunk.
 
 KV memory is a pool of `kv_blocks` blocks of `block_size` tokens (`kv_pool.BlockPool`); a request holds
 a block table. Full prompt blocks are cached by a chained hash of their tokens, shared by later
 requests with the same prefix (which prefill only the rest) and evicted least recently used.
 
-The model is not forked: each step gathers every row's blocks into the per-row cache layout that
-`layers.Attention`'s decode path reads (history right-aligned so that all rows write at one shared
-`cache_index`, left padding invisible as segment 0, exactly as `decode.generate` lays out left-padded
-prompts), calls `decode._lm_step`, and scatters the new keys and values back into the pool. Sampling
+The model is not forked: each call gathers every row's blocks into the per-row cache layout that
+`layers.Attention`'s decode path reads (a row's history slots, then its new tokens at one shared
+`cache_index`; empty slots and pads invisible as segment 0, pieces packed in a row told apart by their
+segment ids as training's packed rows are), calls `decode._lm_step`, and scatters the new keys and values
+back into the pool. The host makes every index array (`Engine._layout`). Sampling
 is `decode.sample_rows` (the filters `decode.generate` uses, with per-row settings). The gather costs a
 copy of each row's history per step; an attention that reads the block table directly would not.
 """
@@ -139,13 +142,18 @@ class Engine:
     # longest row, so a batch of short requests does not copy max_seq_len slots per row per layer.
     self.history_buckets = sorted({min(self.blocks_per_seq, max(1, 32 // block_size) * 2 ** i)
                                    for i in range(int(np.ceil(np.log2(max(self.blocks_per_seq, 1)))) + 1)})
+    # A prefill row holds its pieces' histories side by side, at most one context's worth (a piece that
+    # would pass it waits a step), in every other decode width: each (chunk, width) pair is a program.
+    self.max_history = self.blocks_per_seq * block_size
+    self.prefill_widths = sorted(set(self.history_buckets[::2]) | {self.blocks_per_seq})
+    self.max_pack = min(max_batch, 8)                  # prompts packed in one prefill call, at most
     self.kv = self._init_kv(kv_blocks + 1)            # + the scratch block
     self.slots = [None] * max_batch
     self.waiting = collections.deque()
     self._lock = threading.Lock()
     self._wake = threading.Condition(self._lock)
     self._ids = itertools.count()
-    self._step_fn = _step_program(model, block_size)
+    self._step_fn = _step_program(model)
     self._thread, self._stop = None, False
     self.stats = collections.Counter()                 # prompt/cached/generated tokens, steps, outcomes
 
@@ -253,25 +261,50 @@ class Engine:
         self.stats["prompt_tokens"] += len(request.prompt)
         self.stats["cached_tokens"] += request.cached_tokens
 
-  def _table(self, request):
-    table = np.zeros(self.blocks_per_seq, np.int32)
-    table[:len(request.blocks)] = request.blocks
-    return table
-
   def _sampling_rows(self, requests):
     p = [r.params if r else SamplingParams() for r in requests]
     return (np.array([x.temperature for x in p], np.float32), np.array([x.top_k for x in p], np.int32),
             np.array([x.top_p for x in p], np.float32), np.array([x.seed for x in p], np.int32),
             np.array([len(r.output) if r else 0 for r in requests], np.int32))
 
-  def _run(self, requests, tokens, n_real, history, width=None):
-    """One program call over rows `requests` (None: an idle row), their histories gathered into `width`
-    blocks (default: all) -> per row (token, logprob, top ids, top logprobs)."""
-    tables = np.stack([self._table(r) if r else np.zeros(self.blocks_per_seq, np.int32) for r in requests])
-    tables = tables[:, :width or self.blocks_per_seq]
-    want = np.bool_(any(r is not None and r.params.logprobs for r in requests))
-    out, self.kv = self._step_fn(self.params, self.kv, tokens, n_real, history, tables,
-                                 *self._sampling_rows(requests), want)
+  def _width(self, slots, widths):
+    """The smallest history width (blocks) in `widths` that holds `slots` tokens."""
+    return next(w for w in widths if w * self.block_size >= slots)
+
+  def _layout(self, parts, chunk, width, picks):
+    """The index arrays of one call, made here on the host. parts: per row, the (request, n) pieces packed
+    in it (a decode row: [(request, 1)]; an idle row: []): each piece feeds the request's next n tokens
+    after its `computed` ones, under segment id = its place in the row + 1, so pieces never see each
+    other's keys. A row holds its pieces' histories side by side in `width` blocks of slots, then its
+    `chunk` new tokens (pads: segment 0, written to the scratch block). -> arrays of `_step`, the requests
+    sampled ([rows * picks], None where there is no piece)."""
+    rows, bs = len(parts), self.block_size
+    slots = width * bs
+    tokens, segment, position, dest = (np.zeros((rows, chunk), np.int32) for _ in range(4))
+    src, kv_segment, kv_position = (np.zeros((rows, slots), np.int32) for _ in range(3))
+    pick = np.zeros((rows, picks), np.int32)
+    sampled = [None] * (rows * picks)
+    for b, row in enumerate(parts):
+      h = c = 0
+      for j, (r, n) in enumerate(row):
+        table = np.asarray(r.blocks, np.int32)
+        past, new = np.arange(r.computed), r.computed + np.arange(n)
+        src[b, h:h + r.computed] = table[past // bs] * bs + past % bs
+        kv_segment[b, h:h + r.computed], kv_position[b, h:h + r.computed] = j + 1, past
+        h += r.computed
+        tokens[b, c:c + n] = (r.prompt + r.output)[r.computed:r.computed + n]
+        segment[b, c:c + n], position[b, c:c + n] = j + 1, new
+        dest[b, c:c + n] = table[new // bs] * bs + new % bs
+        pick[b, j] = c + n - 1
+        sampled[b * picks + j] = r
+        c += n
+    return (tokens, segment, position, dest, src, kv_segment, kv_position, pick), sampled
+
+  def _run(self, parts, chunk, width, picks):
+    """One program call (see `_layout`) -> per sampled row (token, logprob, top ids, top logprobs)."""
+    arrays, sampled = self._layout(parts, chunk, width, picks)
+    want = np.bool_(any(r is not None and r.params.logprobs for r in sampled))
+    out, self.kv = self._step_fn(self.params, self.kv, *arrays, *self._sampling_rows(sampled), want)
     return jax.device_get(out)
 
   def _emit(self, request, token, logprob, top_ids, top_logprobs):
@@ -293,37 +326,41 @@ class Engine:
       request.on_event(request)
 
   def _prefill(self):
-    """Runs up to `prefill_chunk` prompt tokens of the requests still prefilling, in bucket-sized calls."""
-    budget = self.prefill_chunk
-    for request in [r for r in self.slots if r is not None and r.computed < len(r.prompt)]:
-      while budget > 0 and request.computed < len(request.prompt):
-        n = min(len(request.prompt) - request.computed, budget)
-        # The largest bucket that fits takes a chunk without padding (80 tokens: 64, then 16 in this step);
-        # only a remainder below the smallest bucket is padded.
-        bucket = max([b for b in self.buckets if b <= n], default=self.buckets[0])
-        n = min(n, bucket)
-        tokens = np.zeros((1, bucket), np.int32)
-        tokens[0, bucket - n:] = request.prompt[request.computed:request.computed + n]   # left-padded
-        out = self._run([request], tokens, np.array([n], np.int32), np.array([request.computed], np.int32))
-        request.computed += n
-        budget -= n
-        self.stats["prefilled_tokens"] += n
-        for i in range(request.cached_tokens // self.block_size, request.computed // self.block_size):
-          if i < len(request.keys):
-            self.pool.register(request.blocks[i], request.keys[i])
-      if request.computed == len(request.prompt):
-        self._emit(request, *(x[0] for x in out))
+    """Feeds up to `prefill_chunk` prompt tokens of the requests still prefilling, oldest first, packed into
+    one row of a bucket's length (several short prompts share a call, so the weights are read once)."""
+    pending = sorted((r for r in self.slots if r is not None and r.computed < len(r.prompt)), key=lambda r: r.id)
+    if not pending:
+      return
+    budget = min(self.prefill_chunk, sum(len(r.prompt) - r.computed for r in pending))
+    # The largest bucket that fits takes a chunk without padding (80 tokens: 64 in this step, 16 in the
+    # next); only a remainder below the smallest bucket is padded.
+    chunk = max([b for b in self.buckets if b <= budget], default=self.buckets[0])
+    take, history, row = min(chunk, budget), 0, []
+    for r in pending:
+      if take == 0 or len(row) == self.max_pack or history + r.computed > self.max_history:
+        break
+      n = min(len(r.prompt) - r.computed, take)
+      row.append((r, n))
+      history, take = history + r.computed, take - n
+    out = self._run([row], chunk, self._width(history, self.prefill_widths), self.max_pack)
+    self.stats["prefill_calls"] += 1
+    self.stats["prefill_pieces"] += len(row)
+    for j, (r, n) in enumerate(row):
+      r.computed += n
+      self.stats["prefilled_tokens"] += n
+      for i in range(r.cached_tokens // self.block_size, r.computed // self.block_size):
+        if i < len(r.keys):
+          self.pool.register(r.blocks[i], r.keys[i])
+      if r.computed == len(r.prompt):
+        self._emit(r, *(x[j] for x in out))
 
   def _decode(self):
     """One token for every slot past its prompt (idle rows ride along, writing the scratch block)."""
     rows = [r if r is not None and r.computed >= len(r.prompt) and r.output else None for r in self.slots]
     if not any(rows):
       return
-    tokens = np.array([[r.output[-1] if r else 0] for r in rows], np.int32)
-    n_real = np.array([1 if r else 0 for r in rows], np.int32)
-    history = np.array([r.computed if r else 0 for r in rows], np.int32)
-    width = next(w for w in self.history_buckets if w * self.block_size > history.max())
-    out = self._run(rows, tokens, n_real, history, width)
+    width = self._width(max(r.computed for r in rows if r), self.history_buckets)
+    out = self._run([[(r, 1)] if r else [] for r in rows], 1, width, 1)
     for b, r in enumerate(rows):
       if r is not None:
         r.computed += 1
@@ -351,10 +388,10 @@ class Engine:
     -> seconds taken.
     The rows write only the scratch block (n_real 0), so the pool is left as it was."""
     start = time.perf_counter()
-    programs = [(1, b, None) for b in self.buckets] + [(self.max_batch, 1, w) for w in self.history_buckets]
-    for rows, chunk, width in programs:
-      idle = [None] * rows
-      self._run(idle, np.zeros((rows, chunk), np.int32), np.zeros(rows, np.int32), np.zeros(rows, np.int32), width)
+    programs = ([(1, b, w, self.max_pack) for b in self.buckets for w in self.prefill_widths]
+                + [(self.max_batch, 1, w, 1) for w in self.history_buckets])
+    for rows, chunk, width, picks in programs:
+      self._run([[]] * rows, chunk, width, picks)
     return time.perf_counter() - start
 
   def start(self):
@@ -382,37 +419,28 @@ class Engine:
 
 
 @functools.lru_cache(maxsize=8)
-def _step_program(model, block_size):
-  """The jitted `_step` for a model and block size, shared by the engines of a process (one compile per shape);
-  the pool is donated, so the scatter updates it in place."""
-  return jax.jit(functools.partial(_step, model, block_size), donate_argnums=(1,))
+def _step_program(model):
+  """The jitted `_step` for a model, shared by the engines of a process (one compile per shape); the pool is
+  donated, so the scatter updates it in place."""
+  return jax.jit(functools.partial(_step, model), donate_argnums=(1,))
 
 
-def _step(model, block_size, params, kv, tokens, n_real, history, tables, temperature, top_k, top_p, seed, index,
-          want_logprobs):
-  """One engine program: rows' chunks through the model over their gathered blocks -> samples, new pool.
+def _step(model, params, kv, tokens, segment, position, dest, src, kv_segment, kv_position, pick,
+          temperature, top_k, top_p, seed, index, want_logprobs):
+  """One engine program: rows of new tokens through the model over their gathered history -> samples, new pool.
 
-  tokens [rows, chunk] (each row's n_real [rows] real tokens at the end, left-padded), history [rows]
-  tokens already in the pool before them, tables [rows, blocks_per_seq] block ids. The sample of row b
-  uses key fold_in(PRNGKey(seed[b]), index[b]) (index: the tokens it generated so far), as
-  `decode.generate` folds the step into its key.
+  tokens, segment, position, dest [rows, chunk]: the new tokens, their segment ids (0: a pad), positions
+  and pool slots to write; src, kv_segment, kv_position [rows, slots]: each history slot's pool slot,
+  segment id (0: empty) and position; pick [rows, k]: the chunk positions whose next token is sampled.
+  Engine._layout makes them. Sample row i (rows * k of them) uses key fold_in(PRNGKey(seed[i]), index[i])
+  (index: the tokens it generated so far), as `decode.generate` folds the step into its key.
   """
   rows, chunk = tokens.shape
   shapes = decode._cache_shapes(model, rows, 1, 1)  # the tree's structure, layer axes and dtypes
-  hist_slots = tables.shape[1] * block_size          # a row's whole history fits (max_seq_len)
-  slot = jnp.arange(hist_slots)[None]                                 # [1, hist_slots]
-  p = slot - (hist_slots - history[:, None])                          # token index of each history slot
-  valid = p >= 0
-  pc = jnp.maximum(p, 0)
-  src = jnp.take_along_axis(tables, pc // block_size, 1) * block_size + pc % block_size   # [rows, hist_slots]
-  src = jnp.where(valid, src, 0)
-  c = jnp.arange(chunk)[None]
-  real = c >= chunk - n_real[:, None]
-  q_pos = history[:, None] + c - (chunk - n_real[:, None])           # [rows, chunk]
-  dest = jnp.take_along_axis(tables, jnp.maximum(q_pos, 0) // block_size, 1) * block_size + jnp.maximum(q_pos, 0) % block_size
-  dest = jnp.where(real, dest, 0)                                     # pads write the scratch block
-  segment = jnp.concatenate([valid, jnp.zeros((rows, chunk), bool)], 1).astype(jnp.int32)
-  position = jnp.concatenate([jnp.where(valid, p, 0), jnp.zeros((rows, chunk), jnp.int32)], 1)
+  hist_slots = src.shape[1]
+  pad = jnp.zeros((rows, chunk), jnp.int32)          # the new tokens' cache entries, written by the model
+  cached_segment = jnp.concatenate([kv_segment, pad], 1)
+  cached_position = jnp.concatenate([kv_position, pad], 1)
   head_major = layers.kv_slots_axis(rows) == 2
 
   kv_iter = iter(kv)
@@ -426,16 +454,16 @@ def _step(model, block_size, params, kv, tokens, n_real, history, tables, temper
       x = jnp.concatenate([x, jnp.zeros(x.shape[:-3] + (chunk,) + x.shape[-2:], x.dtype)], -3)
       return jnp.swapaxes(x, -3, -2) if head_major else x
     if name == "cached_segment":
-      return jnp.broadcast_to(segment, lead + segment.shape)
+      return jnp.broadcast_to(cached_segment, lead + cached_segment.shape)
     if name == "cached_position":
-      return jnp.broadcast_to(position, lead + position.shape)
+      return jnp.broadcast_to(cached_position, lead + cached_position.shape)
     if name == "cache_index":
       return jnp.full(s.shape, hist_slots, s.dtype)
     raise ValueError(f"the serving engine cannot lay out the cache entry {path}")
 
   cache = jax.tree_util.tree_map_with_path(gathered, shapes)
-  logits, cache = decode._lm_step(model, params, cache, tokens, real.astype(jnp.int32), jnp.maximum(q_pos, 0))
-  logits = logits[:, -1]
+  logits, cache = decode._lm_step(model, params, cache, tokens, segment, position, pick)
+  logits = logits.reshape((-1,) + logits.shape[2:])                  # [rows * k, vocab]
   new_kv = []
   flat_dest = dest.reshape(-1)
   for (path, x), pool in zip([(pa, x) for pa, x in jax.tree_util.tree_leaves_with_path(cache)
@@ -453,5 +481,5 @@ def _step(model, block_size, params, kv, tokens, n_real, history, tables, temper
   k = min(TOP_LOGPROBS, logp.shape[-1])
   top_logp, top_ids = jax.lax.cond(  # a top-k over the vocabulary only when some row asks for logprobs
       want_logprobs, lambda: tuple(jax.lax.top_k(logp, k)),
-      lambda: (jnp.zeros((rows, k), logp.dtype), jnp.zeros((rows, k), jnp.int32)))
+      lambda: (jnp.zeros((logp.shape[0], k), logp.dtype), jnp.zeros((logp.shape[0], k), jnp.int32)))
   return (token, chosen, top_ids, top_logp), new_kv

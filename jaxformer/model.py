@@ -214,8 +214,9 @@ class DecoderOnly(nn.Module):
     self.logits_bias = _logits_bias(self, cfg)
 
   def __call__(self, inputs, segment_ids=None, positions=None, deterministic=True, decode=False,
-               last_only=False, project=True):
-    """-> logits [batch, length, vocab]; last_only: the last position's only, [batch, 1, vocab];
+               last_only=False, project=True, pick=None):
+    """-> logits [batch, length, vocab]; last_only: the last position's only, [batch, 1, vocab]; pick
+    [batch, k]: those positions' only, [batch, k, vocab] (the serving engine's packed rows);
     project=False: the final hidden states [batch, length, d_model]."""
     # Token 0 may be a real token (e.g. a character) for LMs, so segments default to all ones.
     segment = jnp.ones_like(inputs, jnp.int32) if segment_ids is None else segment_ids
@@ -223,6 +224,8 @@ class DecoderOnly(nn.Module):
     x = self.decoder(self.embed(inputs), segment, position, deterministic=deterministic, decode=decode)
     if last_only:  # sampling needs the next token's logits only; XLA does not push the slice into the matmul
       x = x[:, -1:]
+    if pick is not None:
+      x = jnp.take_along_axis(x, pick[:, :, None], 1)
     if not project:
       return x
     logits = self.embed.attend(x) if self.cfg.tie_output else self.logits(x).astype(jnp.float32)

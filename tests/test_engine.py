@@ -66,6 +66,7 @@ def test_greedy_equals_generate_alone_and_batched(name):
   eng.run_until_done()
   assert engine_lib.compilations() == compiled
   assert eng.stats["steps"] > max(new)      # more requests than slots: they joined as others left
+  assert eng.stats["prefill_pieces"] > eng.stats["prefill_calls"]   # some calls packed several prompts
   assert eng.pool.used() == 0
   expected = [row[:n] for row, n in zip(_reference(model, params, prompts, max(new)), new)]
   assert alone.output == expected[2]
@@ -105,20 +106,23 @@ def test_prefix_cache_hit_equals_miss():
   only the rest, and gives exactly the tokens of a cold run (a fresh engine)."""
   model, params = _setup("llama_tiny")
   make = lambda: engine_lib.Engine(model, params, max_batch=2, block_size=8, max_seq_len=64, prefill_chunk=16)
-  system, a, b = _prompts(model.cfg.vocab_size, [33, 6, 9])
+  system, a, b, c = _prompts(model.cfg.vocab_size, [33, 6, 9, 4])
   warm = make()
   warm.submit(system + a, engine_lib.SamplingParams(max_tokens=10))
   warm.run_until_done()
-  before = warm.stats["prefilled_tokens"]
-  hit = warm.submit(system + b, engine_lib.SamplingParams(max_tokens=10))
+  before, calls = warm.stats["prefilled_tokens"], warm.stats["prefill_calls"]
+  # Both hits prefill their rest in one call, their 32-slot histories side by side in one row.
+  hit, hit_c = (warm.submit(system + x, engine_lib.SamplingParams(max_tokens=10)) for x in (b, c))
   warm.run_until_done()
-  assert hit.cached_tokens == 32
-  assert warm.stats["prefilled_tokens"] - before == len(system + b) - 32
+  assert hit.cached_tokens == hit_c.cached_tokens == 32
+  assert warm.stats["prefilled_tokens"] - before == len(system + b) + len(system + c) - 64
+  assert warm.stats["prefill_calls"] - calls == 1
   cold = make()
   miss = cold.submit(system + b, engine_lib.SamplingParams(max_tokens=10))
   cold.run_until_done()
   assert miss.cached_tokens == 0 and cold.stats["prefilled_tokens"] == len(system + b)
   assert hit.output == miss.output == _reference(model, params, [system + b], 10)[0]
+  assert hit_c.output == _reference(model, params, [system + c], 10)[0]
 
 
 def test_eviction_under_a_small_pool():

@@ -281,15 +281,21 @@ def test_key_queue_disconnect_and_sigterm_drain(workdir, local):
     body = {"prompt": "Before", "max_tokens": 240, "temperature": 0}
     post = lambda: httpx.post(url + "/completions", json=body, headers={"Authorization": "Bearer sesame"}, timeout=120)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-      first = pool.submit(post)
-      while httpx.get(url[:-3] + "/health").json()["running"] < 1:
-        time.sleep(0.05)
-      # Three at once while the slot is taken (240 tokens): one takes the waiting place, two find the queue
-      # full. (Sent one by one, the waiting request could take the slot between a /health poll and the third.)
+      for attempt in range(3):
+        first = pool.submit(post)
+        while httpx.get(url[:-3] + "/health").json()["running"] < 1 and not first.done():
+          time.sleep(0.05)
+        # Three at once while the slot is taken (240 tokens): one takes the waiting place, two find the queue
+        # full. (Sent one by one, the waiting request could take the slot between a /health poll and the
+        # third.) On a machine so loaded that the first request ended before the three arrived, the round
+        # is run again (all its requests finish first); nothing else is retried.
+        more = [pool.submit(post) for _ in range(3)]
+        done = concurrent.futures.as_completed(more)
+        rejected = [next(done).result(), next(done).result()]
+        if all(r.status_code == 429 for r in rejected) or attempt == 2:
+          break
+        assert first.result().status_code == 200 and next(done).result().status_code == 200
       # SIGTERM only once both refusals are back: all three have reached the server, none is refused at connect.
-      more = [pool.submit(post) for _ in range(3)]
-      done = concurrent.futures.as_completed(more)
-      rejected = [next(done).result(), next(done).result()]
       proc.send_signal(signal.SIGTERM)   # draining: the running and waiting requests still finish
       answers = [first.result(), next(done).result()]   # the third to finish: the one that waited
     for r in rejected:
