@@ -5,6 +5,8 @@
         --rate 4] [--prompt-len 64] [--output-len 48] [--spread 0.5] [--seed 0]
     python benchmarks/serve_load.py sequential --workdir W [same request flags]    # jaxformer.generate, one by one
     python benchmarks/serve_load.py prefix --url URL [--system-len 512] [--user-len 32] [--rounds 8]
+    python benchmarks/serve_load.py sweep --url URL --rates 1,2,4,8 [--num-requests 64]  # throughput per rate
+    python benchmarks/serve_load.py soak --url URL --rate R [--duration 300]            # minute by minute
 
 `load` sends `--num-requests` streamed completions (token-id prompts, `ignore_eos`, so every request
 generates exactly its output length) either from `--concurrency` closed-loop clients or as Poisson
@@ -13,7 +15,13 @@ arrivals at `--rate` requests/s; prompt and output lengths are uniform within +-
 after the first (TPOT) at p50 and p99. `sequential` runs the same requests one after another through
 `jaxformer.generate.generate_ids` (each shape compiled before the clock starts) and prints the same
 throughput. `prefix` measures TTFT with a shared `--system-len`-token system prompt: a miss (a new
-system prompt each round) against a hit (the same one, cached by an earlier request).
+system prompt each round) against a hit (the same one, cached by an earlier request). `sweep` runs
+`load` at each of `--rates` (Poisson, `--num-requests` each): the rate where output tokens/s stops rising
+is the server's saturating rate. `soak` sends Poisson arrivals at `--rate` for `--duration` seconds (fresh
+requests from the same length distribution), reads the server's /metrics every 10 s (resident memory,
+XLA compilations since the ready line) and prints, per minute: requests finished and failed, output
+tokens/s, TTFT p50, the server's resident memory; then failures, compilations, and the last minute's
+memory against the first's.
 """
 
 import argparse
@@ -123,6 +131,75 @@ async def load(args):
     _report(name, results, time.perf_counter() - start)
 
 
+async def sweep(args):
+  """`load` with Poisson arrivals at each of --rates."""
+  for rate in [float(r) for r in args.rates.split(",")]:
+    args.rate = rate
+    await load(args)
+
+
+def _metrics(text):
+  """{name: value} of the unlabelled samples in a Prometheus text page."""
+  from prometheus_client.parser import text_string_to_metric_families  # pylint: disable=g-import-not-at-top
+  return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+
+
+async def soak(args):
+  """Poisson arrivals at --rate for --duration seconds; per-minute throughput, failures and server memory."""
+  import httpx  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(args.seed + 2)
+  args.num_requests = int(args.rate * args.duration * 2) + 16      # more than the run can draw
+  reqs = iter(requests(args))
+  base = args.url[:-3] if args.url.endswith("/v1") else args.url
+  done, failed, samples = [], [], []                              # (finish time, ttft, tokens); times; (t, metrics)
+  async with httpx.AsyncClient(limits=httpx.Limits(max_connections=1000)) as client:
+    model = (await client.get(args.url + "/models")).json()["data"][0]["id"]
+    start = time.perf_counter()
+
+    async def one(prompt, n):
+      try:
+        first, _, tokens = await _one(client, args.url, prompt, n, model)
+        done.append((time.perf_counter() - start, first, tokens))
+      except Exception as e:  # pylint: disable=broad-except
+        failed.append((time.perf_counter() - start, repr(e)[:200]))
+
+    async def sample():
+      while True:
+        page = (await client.get(base + "/metrics")).text
+        samples.append((time.perf_counter() - start, _metrics(page)))
+        await asyncio.sleep(10)
+
+    sampler = asyncio.ensure_future(sample())
+    tasks, t = [], 0.0
+    while True:
+      t += rng.exponential(1.0 / args.rate)
+      if t >= args.duration:
+        break
+      await asyncio.sleep(max(0.0, t - (time.perf_counter() - start)))
+      tasks.append(asyncio.ensure_future(one(*next(reqs))))
+    await asyncio.gather(*tasks)
+    sampler.cancel()
+    samples.append((time.perf_counter() - start, _metrics((await client.get(base + "/metrics")).text)))
+  wall = time.perf_counter() - start
+  minutes = int(np.ceil(args.duration / 60))
+  rss = lambda m: [x["process_resident_memory_bytes"] / 2**20 for t, x in samples if m * 60 <= t < (m + 1) * 60]
+  print(f"soak: Poisson {args.rate} req/s for {args.duration:.0f}s ({len(tasks)} requests sent), all done in {wall:.0f}s")
+  for m in range(minutes):
+    fin = [d for d in done if m * 60 <= d[0] < (m + 1) * 60]
+    bad = sum(m * 60 <= f[0] < (m + 1) * 60 for f in failed)
+    ttft = np.median([d[1] for d in fin]) * 1e3 if fin else float("nan")
+    mem = np.median(rss(m)) if rss(m) else float("nan")
+    print(f"  minute {m + 1}: {len(fin)} finished, {bad} failed, {sum(d[2] for d in fin) / 60:.1f} output tok/s, "
+          f"TTFT p50 {ttft:.0f} ms, server RSS {mem:.0f} MiB", flush=True)
+  first, last = np.median(rss(0)), np.median(rss(minutes - 1))
+  print(f"soak: {len(done)} finished, {len(failed)} failed; XLA compilations since the ready line "
+        f"{samples[0][1]['jaxformer_xla_compilations_since_start']:.0f} at the start, "
+        f"{samples[-1][1]['jaxformer_xla_compilations_since_start']:.0f} at the end; server RSS last minute / first "
+        f"{last / first:.3f} ({first:.0f} -> {last:.0f} MiB)", flush=True)
+  for f in failed[:5]:
+    print("  failed:", f)
+
+
 def sequential(args):
   """The same requests one after another through jaxformer.generate (greedy, no EOS stop)."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -165,7 +242,7 @@ async def prefix(args):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("mode", choices=["make-workdir", "load", "sequential", "prefix"])
+  parser.add_argument("mode", choices=["make-workdir", "load", "sequential", "prefix", "sweep", "soak"])
   parser.add_argument("--out", default="/tmp/gpt2_small_random")
   parser.add_argument("--url", default="http://127.0.0.1:8000/v1")
   parser.add_argument("--workdir", default="/tmp/gpt2_small_random")
@@ -180,13 +257,15 @@ def main():
   parser.add_argument("--user-len", type=int, default=32)
   parser.add_argument("--rounds", type=int, default=8)
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--rates", default="1,2,4,8", help="sweep: Poisson rates, comma-separated")
+  parser.add_argument("--duration", type=float, default=300.0, help="soak: seconds of arrivals")
   args = parser.parse_args()
   if args.mode == "make-workdir":
     make_workdir(args)
   elif args.mode == "sequential":
     sequential(args)
   else:
-    asyncio.run(load(args) if args.mode == "load" else prefix(args))
+    asyncio.run({"load": load, "prefix": prefix, "sweep": sweep, "soak": soak}[args.mode](args))
 
 
 if __name__ == "__main__":

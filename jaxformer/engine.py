@@ -139,13 +139,16 @@ class Engine:
     self.buckets = sorted({min(prefill_chunk, min_chunk * 2 ** i)
                            for i in range(max(1, int(np.ceil(np.log2(max(prefill_chunk / min_chunk, 1)))) + 1))})
     # Decode gathers each row's history into one of a few widths (blocks): the smallest that holds the
-    # longest row, so a batch of short requests does not copy max_seq_len slots per row per layer.
-    self.history_buckets = sorted({min(self.blocks_per_seq, max(1, 32 // block_size) * 2 ** i)
-                                   for i in range(int(np.ceil(np.log2(max(self.blocks_per_seq, 1)))) + 1)})
+    # longest row, so a batch of short requests does not copy max_seq_len slots per row per layer. The
+    # widths go up by 2x and 1.5x in turn (32, 48, 64, 96, 128, ... slots): a step pays for at most a
+    # third more slots than its longest row holds.
+    doubling = sorted({min(self.blocks_per_seq, max(1, 32 // block_size) * 2 ** i)
+                       for i in range(int(np.ceil(np.log2(max(self.blocks_per_seq, 1)))) + 1)})
+    self.history_buckets = sorted(set(doubling) | {min(self.blocks_per_seq, w * 3 // 2) for w in doubling if w > 1})
     # A prefill row holds its pieces' histories side by side, at most one context's worth (a piece that
-    # would pass it waits a step), in every other decode width: each (chunk, width) pair is a program.
+    # would pass it waits a step), in fewer widths (x4 apart): each (chunk, width) pair is a program.
     self.max_history = self.blocks_per_seq * block_size
-    self.prefill_widths = sorted(set(self.history_buckets[::2]) | {self.blocks_per_seq})
+    self.prefill_widths = sorted(set(doubling[::2]) | {self.blocks_per_seq})
     self.max_pack = min(max_batch, 8)                  # prompts packed in one prefill call, at most
     self.kv = self._init_kv(kv_blocks + 1)            # + the scratch block
     self.slots = [None] * max_batch
@@ -163,12 +166,13 @@ class Engine:
     return decode._cache_shapes(self.model, rows, length, 1)
 
   def _init_kv(self, num_blocks):
-    """The pool's arrays: for each layer's cached_key / cached_value, [(layers,) blocks * block_size, kv_heads, head_dim]."""
+    """The pool's arrays: for each layer's cached_key / cached_value, [(layers,) kv_heads * blocks * block_size,
+    head_dim] (head h's slot i at row h * blocks * block_size + i: one gather makes either cache layout)."""
     kv = []
     for path, s in jax.tree_util.tree_leaves_with_path(self._cache_shapes(2, 2)):
       if _leaf_key(path) in ("cached_key", "cached_value"):
         lead = s.shape[:1] if _is_scanned(path) else ()
-        kv.append(jnp.zeros(lead + (num_blocks * self.block_size, s.shape[-3], s.shape[-1]), s.dtype))
+        kv.append(jnp.zeros(lead + (self.model.cfg.kv_heads * num_blocks * self.block_size, s.shape[-1]), s.dtype))
     # Committed to the device as every step's output is, so the warm-up compiles what serving calls.
     return jax.device_put(kv, jax.devices()[0])
 
@@ -442,17 +446,23 @@ def _step(model, params, kv, tokens, segment, position, dest, src, kv_segment, k
   cached_segment = jnp.concatenate([kv_segment, pad], 1)
   cached_position = jnp.concatenate([kv_position, pad], 1)
   head_major = layers.kv_slots_axis(rows) == 2
+  kv_heads = model.cfg.kv_heads
+  heads = jnp.arange(kv_heads, dtype=jnp.int32) * (kv[0].shape[-2] // kv_heads)    # each head's first pool row
 
+  def rows_of(slots):
+    """Pool rows of slots [rows, n] in the cache's layout: [rows, kv_heads, n] head-major, else [rows, n, kv_heads]."""
+    return heads[None, :, None] + slots[:, None, :] if head_major else slots[:, :, None] + heads[None, None, :]
+
+  # One gather lands each row's history in the layout the model reads, with the chunk's slots after it (read
+  # from the scratch block; the model writes the new keys and values there before attending).
+  gather = rows_of(jnp.concatenate([src, pad], 1))
   kv_iter = iter(kv)
 
   def gathered(path, s):
     name, scanned = _leaf_key(path), _is_scanned(path)
     lead = s.shape[:1] if scanned else ()
     if name in ("cached_key", "cached_value"):
-      pool = next(kv_iter)
-      x = jnp.take(pool, src, axis=1 if scanned else 0)              # [(layers,) rows, hist, kv_heads, d]
-      x = jnp.concatenate([x, jnp.zeros(x.shape[:-3] + (chunk,) + x.shape[-2:], x.dtype)], -3)
-      return jnp.swapaxes(x, -3, -2) if head_major else x
+      return jnp.take(next(kv_iter), gather, axis=len(lead))       # [(layers,) rows, kv_heads, slots, d] (or slots, kv_heads)
     if name == "cached_segment":
       return jnp.broadcast_to(cached_segment, lead + cached_segment.shape)
     if name == "cached_position":
@@ -465,15 +475,11 @@ def _step(model, params, kv, tokens, segment, position, dest, src, kv_segment, k
   logits, cache = decode._lm_step(model, params, cache, tokens, segment, position, pick)
   logits = logits.reshape((-1,) + logits.shape[2:])                  # [rows * k, vocab]
   new_kv = []
-  flat_dest = dest.reshape(-1)
+  scatter = rows_of(dest)
   for (path, x), pool in zip([(pa, x) for pa, x in jax.tree_util.tree_leaves_with_path(cache)
                               if _leaf_key(pa) in ("cached_key", "cached_value")], kv):
-    scanned = _is_scanned(path)
-    if head_major:
-      x = jnp.swapaxes(x, -3, -2)
-    x = x[..., hist_slots:, :, :]                                     # [(layers,) rows, chunk, kv_heads, d]
-    x = x.reshape(x.shape[:-4] + (rows * chunk,) + x.shape[-2:])
-    new_kv.append(pool.at[:, flat_dest].set(x) if scanned else pool.at[flat_dest].set(x))
+    x = x[..., hist_slots:, :] if head_major else x[..., hist_slots:, :, :]   # the chunk's new keys / values
+    new_kv.append(pool.at[:, scatter].set(x) if _is_scanned(path) else pool.at[scatter].set(x))
   keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(seed, index)
   token = decode.sample_rows(logits, keys, temperature, top_k, top_p)
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)

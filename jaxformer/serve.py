@@ -129,6 +129,7 @@ class Server:
                             registry=r)
     self.m_compiles = prom.Gauge("jaxformer_xla_compilations_since_start",
                                  "XLA programs compiled after the ready line", registry=r)
+    prom.ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds (Linux)
 
   def template(self):
     """(ChatTemplate, hf) of the run, loaded at the first chat request (a run without one can still serve completions)."""
