@@ -27,6 +27,7 @@ copy of each row's history per step; an attention that reads the block table dir
 """
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -37,9 +38,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.sharding import NamedSharding, PartitionSpec as P
+
 from jaxformer import decode
 from jaxformer import kv_pool
 from jaxformer import layers
+from jaxformer import sharding
 from jaxformer.errors import UserError
 
 TOP_LOGPROBS = 20  # the most alternatives a token's logprobs may list (OpenAI's limit)
@@ -115,7 +119,9 @@ class Engine:
   `submit` and `cancel`, which may be called from any thread while `start()`'s thread runs the steps."""
 
   def __init__(self, model, params, max_batch=8, kv_blocks=None, block_size=16, max_seq_len=None,
-               prefill_chunk=256, max_waiting=256, min_chunk=16):
+               prefill_chunk=256, max_waiting=256, min_chunk=16, mesh=None):
+    """mesh: serve over these devices (`sharding.make_mesh`): the weights sharded by the training rule table,
+    the KV pool over kv heads on `tensor`; None: one device."""
     cfg = model.cfg
     if cfg.arch != "decoder_only":
       raise UserError("the serving engine takes decoder-only models; a translation model is served by eval.py")
@@ -127,7 +133,8 @@ class Engine:
       raise UserError(f"--max-seq-len {max_seq_len} is past the model's {cfg.max_len}-position table")
     if max_batch < 1 or block_size < 1 or prefill_chunk < 1:
       raise UserError("--max-batch, the block size and --prefill-chunk must be at least 1")
-    self.model, self.params = model, params
+    self.model, self.mesh = model, mesh
+    self.params = params if mesh is None else _shard_params(model, params, mesh)
     self.block_size = block_size
     self.blocks_per_seq = -(-max_seq_len // block_size)
     self.max_seq_len = max_seq_len
@@ -156,7 +163,7 @@ class Engine:
     self._lock = threading.Lock()
     self._wake = threading.Condition(self._lock)
     self._ids = itertools.count()
-    self._step_fn = _step_program(model)
+    self._step_fn = _step_program(model, mesh, self._kv_shardings())
     self._thread, self._stop = None, False
     self.stats = collections.Counter()                 # prompt/cached/generated tokens, steps, outcomes
 
@@ -173,8 +180,17 @@ class Engine:
       if _leaf_key(path) in ("cached_key", "cached_value"):
         lead = s.shape[:1] if _is_scanned(path) else ()
         kv.append(jnp.zeros(lead + (self.model.cfg.kv_heads * num_blocks * self.block_size, s.shape[-1]), s.dtype))
-    # Committed to the device as every step's output is, so the warm-up compiles what serving calls.
-    return jax.device_put(kv, jax.devices()[0])
+    # Committed to the device(s) as every step's output is, so the warm-up compiles what serving calls.
+    self._pool_ranks = tuple(x.ndim for x in kv)
+    return jax.device_put(kv, list(self._kv_shardings()) if self.mesh else jax.devices()[0])
+
+  def _kv_shardings(self):
+    """Per pool array, its sharding on the mesh (None without one): the kv-heads-major rows over `tensor`, so
+    each device holds its heads' keys and values (replicated when `tensor` does not divide kv_heads)."""
+    if self.mesh is None:
+      return None
+    tensor = "tensor" if self.model.cfg.kv_heads % self.mesh.shape["tensor"] == 0 else None
+    return tuple(NamedSharding(self.mesh, P(*(None,) * (rank - 2), tensor, None)) for rank in self._pool_ranks)
 
   def capacity_tokens(self):
     """Tokens the KV pool holds."""
@@ -308,7 +324,8 @@ class Engine:
     """One program call (see `_layout`) -> per sampled row (token, logprob, top ids, top logprobs)."""
     arrays, sampled = self._layout(parts, chunk, width, picks)
     want = np.bool_(any(r is not None and r.params.logprobs for r in sampled))
-    out, self.kv = self._step_fn(self.params, self.kv, *arrays, *self._sampling_rows(sampled), want)
+    with sharding.use_mesh(self.mesh) if self.mesh else contextlib.nullcontext():
+      out, self.kv = self._step_fn(self.params, self.kv, *arrays, *self._sampling_rows(sampled), want)
     return jax.device_get(out)
 
   def _emit(self, request, token, logprob, top_ids, top_logprobs):
@@ -423,10 +440,23 @@ class Engine:
 
 
 @functools.lru_cache(maxsize=8)
-def _step_program(model):
-  """The jitted `_step` for a model, shared by the engines of a process (one compile per shape); the pool is
-  donated, so the scatter updates it in place."""
-  return jax.jit(functools.partial(_step, model), donate_argnums=(1,))
+def _step_program(model, mesh=None, kv_shardings=None):
+  """The jitted `_step` for a model (on a mesh: samples replicated, the pool kept in `kv_shardings`), shared by
+  the engines of a process (one compile per shape); the pool is donated, so the scatter updates it in place."""
+  step = functools.partial(_step, model)
+  if mesh is None:
+    return jax.jit(step, donate_argnums=(1,))
+  return jax.jit(step, donate_argnums=(1,), out_shardings=(NamedSharding(mesh, P()), list(kv_shardings)))
+
+
+def _shard_params(model, params, mesh):
+  """params placed on the mesh by the logical axis names of the model's parameters (`sharding.RULES`)."""
+  boxed = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
+  shardings = sharding.logical_sharding(boxed, mesh)
+  if jax.tree.structure(shardings) != jax.tree.structure(params):
+    raise UserError("sharded serving takes the model's own float weights (a quantized run is served on one "
+                    "device): drop --tensor/--fsdp")
+  return jax.device_put(params, shardings)
 
 
 def _step(model, params, kv, tokens, segment, position, dest, src, kv_segment, kv_position, pick,

@@ -557,7 +557,23 @@ def parse_args(argv):
   parser.add_argument("--api-key", default=os.environ.get("JAXFORMER_API_KEY"),
                       help="require 'Authorization: Bearer KEY' (default: $JAXFORMER_API_KEY, else none)")
   parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+  parser.add_argument("--tensor", type=int, default=1, help="devices that split heads / the FFN (and the KV pool)")
+  parser.add_argument("--fsdp", type=int, default=1, help="devices that split the weights' embed axis")
   return parser.parse_args(argv)
+
+
+def _mesh(args):
+  """The serving mesh of --fsdp x --tensor local devices (the training rule table's axes); None for one device."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxformer import config as config_lib, sharding  # pylint: disable=g-import-not-at-top
+  n = args.fsdp * args.tensor
+  if n == 1:
+    return None
+  if min(args.fsdp, args.tensor) < 1 or n > jax.local_device_count():
+    raise UserError(f"--fsdp {args.fsdp} x --tensor {args.tensor} needs {n} devices; "
+                    f"{jax.local_device_count()} are here")
+  return sharding.make_mesh(config_lib.MeshConfig(data=1, fsdp=args.fsdp, tensor=args.tensor),
+                            jax.local_devices()[:n])
 
 
 def build(args, log=print):
@@ -567,12 +583,14 @@ def build(args, log=print):
   cfg, model, params, tokenizer, _ = evaluate.load_run(args.workdir, step=args.step, log=lambda *_: None)
   name = args.model_name or os.path.basename(os.path.abspath(args.workdir))
   if cfg.model.arch != "decoder_only":
+    if args.tensor * args.fsdp > 1:
+      raise UserError("--tensor/--fsdp shard a decoder-only model's serving engine; a translation run is served on one device")
     translator = batcher_lib.TranslationBatcher(cfg, model, params, tokenizer, args.max_batch, args.max_waiting)
     seconds = translator.warm_up()
     return Server(None, tokenizer, cfg, args.workdir, name, args.api_key, args.max_body_bytes, translator), seconds
   engine = engine_lib.Engine(model, params, max_batch=args.max_batch, kv_blocks=args.kv_blocks,
                              block_size=args.block_size, max_seq_len=args.max_seq_len,
-                             prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting)
+                             prefill_chunk=args.prefill_chunk, max_waiting=args.max_waiting, mesh=_mesh(args))
   seconds = engine.warm_up()
   server = Server(engine, tokenizer, cfg, args.workdir, name, args.api_key, args.max_body_bytes)
   return server, seconds

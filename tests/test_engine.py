@@ -212,3 +212,61 @@ def test_a_quantized_model_serves_the_tokens_generate_gives_it(bits):
   eng.run_until_done()
   assert [r.output for r in requests] == _reference(model, qparams, prompts, 10)
   assert "qkernel" in qparams["decoder"]["layer_0"]["ffn"]["wo"]  # the layers read int weights, not float ones
+
+
+SHARDED_WORKER = r'''
+import json, sys
+import jax
+sys.path.insert(0, sys.argv[1])
+from test_engine import _prompts, _reference, _setup
+from jaxformer import engine as engine_lib, sharding
+from jaxformer.config import MeshConfig
+
+model, params = _setup("llama_tiny")
+prompts = _prompts(model.cfg.vocab_size, (5, 17, 30, 9, 23, 12))
+new = [12, 7, 20, 15, 9, 11]
+
+def serve(mesh):
+  eng = engine_lib.Engine(model, params, max_batch=4, block_size=8, max_seq_len=64, prefill_chunk=16, mesh=mesh)
+  eng.warm_up()
+  compiled = engine_lib.compilations()
+  requests = [eng.submit(p, engine_lib.SamplingParams(max_tokens=n)) for p, n in zip(prompts, new)]
+  eng.run_until_done()
+  wq = eng.params["decoder"]["layer_0"]["self_attention"]["query"]["kernel"]
+  return {"tokens": [r.output for r in requests], "recompiled": engine_lib.compilations() - compiled,
+          "query_spec": str(wq.sharding.spec) if mesh else None, "query_shard": list(wq.addressable_shards[0].data.shape),
+          "pool_shard": list(eng.kv[0].addressable_shards[0].data.shape), "pool": list(eng.kv[0].shape)}
+
+out = {"devices": jax.device_count(), "one": serve(None),
+       "reference": [row[:n] for row, n in zip(_reference(model, params, prompts, max(new)), new)]}
+for fsdp, tensor in ((1, 2), (2, 2)):
+  mesh = sharding.make_mesh(MeshConfig(data=1, fsdp=fsdp, tensor=tensor), jax.devices()[:fsdp * tensor])
+  out[f"fsdp{fsdp}_tensor{tensor}"] = serve(mesh)
+print("RESULT " + json.dumps(out))
+'''
+
+
+def test_sharded_serving_gives_the_tokens_of_one_device(tmp_path):
+  """On 4 simulated CPU devices: the engine over a (tensor 2) and an (fsdp 2 x tensor 2) mesh, weights sharded by
+  the training rule table and the KV pool over kv heads, gives the greedy tokens of one device (and of
+  decode.generate), with no program compiled after warm-up."""
+  import json, os, subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  script = tmp_path / "worker.py"
+  script.write_text(SHARDED_WORKER)
+  run = subprocess.run([sys.executable, str(script), os.path.dirname(__file__)], env=env, capture_output=True,
+                       text=True, timeout=600)
+  line = next((l for l in run.stdout.splitlines() if l.startswith("RESULT ")), None)
+  assert line, run.stdout[-2000:] + run.stderr[-4000:]
+  out = json.loads(line[7:])
+  assert out["devices"] == 4
+  assert out["one"]["tokens"] == out["reference"]
+  for name in ("fsdp1_tensor2", "fsdp2_tensor2"):
+    got = out[name]
+    assert got["tokens"] == out["reference"], name
+    assert got["recompiled"] == 0, name
+    assert "tensor" in got["query_spec"], got["query_spec"]
+    # llama_tiny: 2 kv heads, 1 per tensor device; the query kernel [d_model 32, heads 4, head_dim 8].
+    assert got["pool_shard"] == [got["pool"][0] // 2, got["pool"][1]], got
+  assert out["fsdp1_tensor2"]["query_shard"] == [32, 2, 8]
+  assert out["fsdp2_tensor2"]["query_shard"] == [16, 2, 8]

@@ -491,3 +491,36 @@ def test_the_harness_reads_a_lora_workdir_as_its_merged_model(base_run):
                              batch_size=2)._loglikelihood_tokens(requests)
   assert [g[0] for g in got] == pytest.approx([w[0] for w in want], abs=1e-5)
   assert max(abs(g[0] - b[0]) for g, b in zip(got, base)) > 1e-3  # the adapters count
+
+
+def test_a_lora_workdir_is_served_as_its_merged_model(base_run):
+  """`jaxformer.serve` on a LoRA workdir serves W + (alpha / r) A B as merged here (lora.merge): concurrent greedy
+  completions equal `jaxformer.generate`'s text on those weights, and each first token's logprob equals the
+  merged model's (not the base model's: the adapters count)."""
+  import openai  # pylint: disable=g-import-not-at-top
+  from jaxformer import generate  # pylint: disable=g-import-not-at-top
+  from test_serve import _served_greedy, _start, _stop  # pylint: disable=g-import-not-at-top
+  tmp, _, make_cfg = base_run
+  workdir = str(tmp / "served")
+  run = train.train_and_evaluate(make_cfg("train.num_steps=3"), workdir, **QUIET)
+  cfg, model, _, tok, _ = evaluate.load_run(workdir, log=lambda *a: None)
+  merged = jax.device_get(lora.merge(run["lora_base"], run["state"]["params"], make_cfg()))
+  base = jax.device_get(run["lora_base"])
+  prompts = ["the cat sat", "a big red", "dog ran to"]
+  flags = ("--max-batch", "4", "--max-seq-len", "64")
+  want = [generate.generate_text(model, merged, tok, cfg, [p], max_new_tokens=10, temperature=0.0, top_k=0,
+                                 top_p=1.0, log=lambda *a: None)[0] for p in prompts]
+  assert _served_greedy(workdir, prompts, 10, *flags) == want
+  proc, url = _start(workdir, *flags)
+  try:
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    for p in prompts:
+      got = client.completions.create(model=client.models.list().data[0].id, prompt=p, max_tokens=1, temperature=0,
+                                      logprobs=1).choices[0].logprobs.token_logprobs[0]
+      ids = jnp.asarray([tok.encode(p)])
+      logp = lambda w: jax.nn.log_softmax(model.apply({"params": w}, ids)[0, -1])
+      token = int(jnp.argmax(logp(merged)))
+      assert got == pytest.approx(float(logp(merged)[token]), abs=1e-4)
+      assert abs(got - float(logp(base)[token])) > 1e-3
+  finally:
+    _stop(proc)
