@@ -4,7 +4,8 @@
         [--kv-blocks 512] [same request flags as serve_load.py: --num-requests 32 --concurrency 16 ...]
 
 W: `python benchmarks/serve_load.py make-workdir --out W`. Prints the decode step's time at each history
-width (all slots idle, median of 5 calls), a prefill call's at each chunk bucket and history width, then the same requests
+width (all slots idle, median of 5 calls), a prefill call's at each chunk bucket and history width, the model's own
+decode step (`decode._lm_step` over a contiguous cache: no gather) at 1 and --max-batch rows, then the same requests
 as `serve_load.py load` sent straight to `engine.Engine` (`--concurrency` in flight) with the seconds spent
 in prefill and in decode calls.
 """
@@ -57,6 +58,23 @@ def main():
     for w in eng.prefill_widths:
       ms = _median_ms(lambda: eng._run([[]], b, w, eng.max_pack))
       print(f"prefill call, 1 row, {b} tokens, {w * eng.block_size} history slots: {ms:.1f} ms", flush=True)
+
+  # The floor under the engine's decode call: the model's own step over a contiguous cache (decode.generate's
+  # layout; no gather, no scatter, no sampling) at the same rows.
+  import functools  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jaxformer import decode  # pylint: disable=g-import-not-at-top
+  lm_step = jax.jit(functools.partial(decode._lm_step, model), donate_argnums=(1,))
+  for rows_, slots in ((1, 32), (1, 256), (rows, 32), (rows, 256)):
+    cache = [jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), decode._cache_shapes(model, rows_, slots, 1))]
+    ones = jnp.ones((rows_, 1), jnp.int32)
+
+    def model_step():
+      logits, cache[0] = lm_step(params, cache[0], ones, ones, ones)
+      jax.block_until_ready(logits)
+    print(f"the model's own decode step (decode._lm_step), {rows_} rows, {slots}-slot cache: "
+          f"{_median_ms(model_step):.1f} ms", flush=True)
 
   spent = collections.Counter()
   for name in ("_prefill", "_decode"):
