@@ -54,6 +54,6 @@ class BuildKernel(build_ext):
 
 
 setup(
-    ext_modules=[Extension("jaxformer._qmatmul", sources=["jaxformer/csrc/qmatmul.cc"], optional=True)],
+    ext_modules=[Extension("jaxformer._qmatmul", sources=["jaxformer/csrc/qmatmul.cc", "jaxformer/csrc/paged_attention.cc"], optional=True)],
     cmdclass={"build_ext": BuildKernel},
 )

@@ -17,13 +17,14 @@ KV memory is a pool of `kv_blocks` blocks of `block_size` tokens (`kv_pool.Block
 a block table. Full prompt blocks are cached by a chained hash of their tokens, shared by later
 requests with the same prefix (which prefill only the rest) and evicted least recently used.
 
-The model is not forked: each call gathers every row's blocks into the per-row cache layout that
-`layers.Attention`'s decode path reads (a row's history slots, then its new tokens at one shared
-`cache_index`; empty slots and pads invisible as segment 0, pieces packed in a row told apart by their
-segment ids as training's packed rows are), calls `decode._lm_step`, and scatters the new keys and values
-back into the pool. The host makes every index array (`Engine._layout`). Sampling
-is `decode.sample_rows` (the filters `decode.generate` uses, with per-row settings). The gather costs a
-copy of each row's history per step; an attention that reads the block table directly would not.
+The model is not forked: each call hands every layer its pool arrays and, per row, where its history lies
+(`history_slots`: pool slots; `history_segment`: 0 for empty slots, pieces packed in a row told apart by their
+segment ids as training's packed rows are; `history_position`); `layers.Attention` then attends over the pool
+with `layers.paged_attention` (the C++ kernel of `jaxformer.paged` on CPU: no copy of the history; else one
+gather and the model's attention) and hands back the new keys and values, which `_step` writes into the pool.
+The host makes every index array (`Engine._layout`). Sampling is `decode.sample_rows` (the filters
+`decode.generate` uses, with per-row settings). A sliding-window layer masks by position (its keys outside the
+window stay in the pool until the request ends).
 """
 
 import collections
@@ -42,7 +43,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxformer import decode
 from jaxformer import kv_pool
-from jaxformer import layers
 from jaxformer import sharding
 from jaxformer.errors import UserError
 
@@ -125,9 +125,6 @@ class Engine:
     cfg = model.cfg
     if cfg.arch != "decoder_only":
       raise UserError("the serving engine takes decoder-only models; a translation model is served by eval.py")
-    if cfg.sliding_window:
-      raise UserError("the serving engine does not handle sliding-window (local) attention layers yet "
-                      f"(model.sliding_window={cfg.sliding_window}); use python -m jaxformer.generate")
     max_seq_len = max_seq_len or cfg.max_len
     if cfg.position == "learned" and max_seq_len > cfg.max_len:
       raise UserError(f"--max-seq-len {max_seq_len} is past the model's {cfg.max_len}-position table")
@@ -449,6 +446,13 @@ def _step_program(model, mesh=None, kv_shardings=None):
   return jax.jit(step, donate_argnums=(1,), out_shardings=(NamedSharding(mesh, P()), list(kv_shardings)))
 
 
+@functools.lru_cache(maxsize=8)
+def _attention_paths(model):
+  """The path of each self-attention module's cache, in the order of the pool's arrays (a key and a value each)."""
+  return [tuple(k.key for k in path[:-1]) for path, _ in jax.tree_util.tree_leaves_with_path(
+      decode._cache_shapes(model, 2, 2, 1)) if _leaf_key(path) == "cached_key"]
+
+
 def _shard_params(model, params, mesh):
   """params placed on the mesh by the logical axis names of the model's parameters (`sharding.RULES`)."""
   boxed = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
@@ -461,7 +465,7 @@ def _shard_params(model, params, mesh):
 
 def _step(model, params, kv, tokens, segment, position, dest, src, kv_segment, kv_position, pick,
           temperature, top_k, top_p, seed, index, want_logprobs):
-  """One engine program: rows of new tokens through the model over their gathered history -> samples, new pool.
+  """One engine program: rows of new tokens through the model over their history in the pool -> samples, new pool.
 
   tokens, segment, position, dest [rows, chunk]: the new tokens, their segment ids (0: a pad), positions
   and pool slots to write; src, kv_segment, kv_position [rows, slots]: each history slot's pool slot,
@@ -469,47 +473,34 @@ def _step(model, params, kv, tokens, segment, position, dest, src, kv_segment, k
   Engine._layout makes them. Sample row i (rows * k of them) uses key fold_in(PRNGKey(seed[i]), index[i])
   (index: the tokens it generated so far), as `decode.generate` folds the step into its key.
   """
-  rows, chunk = tokens.shape
-  shapes = decode._cache_shapes(model, rows, 1, 1)  # the tree's structure, layer axes and dtypes
-  hist_slots = src.shape[1]
-  pad = jnp.zeros((rows, chunk), jnp.int32)          # the new tokens' cache entries, written by the model
-  cached_segment = jnp.concatenate([kv_segment, pad], 1)
-  cached_position = jnp.concatenate([kv_position, pad], 1)
-  head_major = layers.kv_slots_axis(rows) == 2
   kv_heads = model.cfg.kv_heads
   heads = jnp.arange(kv_heads, dtype=jnp.int32) * (kv[0].shape[-2] // kv_heads)    # each head's first pool row
-
-  def rows_of(slots):
-    """Pool rows of slots [rows, n] in the cache's layout: [rows, kv_heads, n] head-major, else [rows, n, kv_heads]."""
-    return heads[None, :, None] + slots[:, None, :] if head_major else slots[:, :, None] + heads[None, None, :]
-
-  # One gather lands each row's history in the layout the model reads, with the chunk's slots after it (read
-  # from the scratch block; the model writes the new keys and values there before attending).
-  gather = rows_of(jnp.concatenate([src, pad], 1))
-  kv_iter = iter(kv)
-
-  def gathered(path, s):
-    name, scanned = _leaf_key(path), _is_scanned(path)
-    lead = s.shape[:1] if scanned else ()
-    if name in ("cached_key", "cached_value"):
-      return jnp.take(next(kv_iter), gather, axis=len(lead))       # [(layers,) rows, kv_heads, slots, d] (or slots, kv_heads)
-    if name == "cached_segment":
-      return jnp.broadcast_to(cached_segment, lead + cached_segment.shape)
-    if name == "cached_position":
-      return jnp.broadcast_to(cached_position, lead + cached_position.shape)
-    if name == "cache_index":
-      return jnp.full(s.shape, hist_slots, s.dtype)
-    raise ValueError(f"the serving engine cannot lay out the cache entry {path}")
-
-  cache = jax.tree_util.tree_map_with_path(gathered, shapes)
+  layers_of = lambda x: x.shape[:1] if x.ndim == 3 else ()            # a scanned pool [layers, rows, d]
+  cache = {}
+  for path, pool_k, pool_v in zip(_attention_paths(model), kv[0::2], kv[1::2]):
+    node = cache
+    for name in path:
+      node = node.setdefault(name, {})
+    lead = layers_of(pool_k)
+    node.update(pool_key=pool_k, pool_value=pool_v, history_slots=jnp.broadcast_to(src, lead + src.shape),
+                history_segment=jnp.broadcast_to(kv_segment, lead + kv_segment.shape),
+                history_position=jnp.broadcast_to(kv_position, lead + kv_position.shape))
   logits, cache = decode._lm_step(model, params, cache, tokens, segment, position, pick)
   logits = logits.reshape((-1,) + logits.shape[2:])                  # [rows * k, vocab]
-  new_kv = []
-  scatter = rows_of(dest)
-  for (path, x), pool in zip([(pa, x) for pa, x in jax.tree_util.tree_leaves_with_path(cache)
-                              if _leaf_key(pa) in ("cached_key", "cached_value")], kv):
-    x = x[..., hist_slots:, :] if head_major else x[..., hist_slots:, :, :]   # the chunk's new keys / values
-    new_kv.append(pool.at[:, scatter].set(x) if _is_scanned(path) else pool.at[scatter].set(x))
+  # The new keys and values [(layers,) rows, chunk, kv_heads, d] go to their pool rows.
+  scatter = dest[:, :, None] + heads[None, None, :]
+  new = []
+  for path in _attention_paths(model):
+    node = cache
+    for name in path:
+      node = node[name]
+    new += [node["new_key"], node["new_value"]]
+  # The written values depend on the logits (+ 0 * a logit), so on every layer's reads of its pool: without a
+  # data dependence XLA:CPU cannot order the reads before the in-place writes and copies each pool twice per
+  # call (GPT-2 with an 8,192-token pool: ~190 ms a step). An optimization barrier does not order them.
+  after_reads = jnp.zeros((), logits.dtype) * logits[0, 0]
+  new = [(x + after_reads.astype(x.dtype)).astype(pool.dtype) for pool, x in zip(kv, new)]
+  new_kv = [pool.at[:, scatter].set(x) if layers_of(pool) else pool.at[scatter].set(x) for pool, x in zip(kv, new)]
   keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(seed, index)
   token = decode.sample_rows(logits, keys, temperature, top_k, top_p)
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)

@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxformer import attention
 from jaxformer import kernels
+from jaxformer import paged
 from jaxformer import qmatmul
 from jaxformer.config import ModelConfig
 
@@ -310,10 +311,12 @@ def make_attention_mask(q_segment, kv_segment, q_slot=None, kv_slot=None, window
   kernel builds each block's part itself.
   """
   mask = (q_segment[:, :, None] == kv_segment[:, None, :]) & (kv_segment[:, None, :] != 0)
-  if q_slot is not None:
-    mask = mask & (kv_slot[None, None, :] <= q_slot[None, :, None])
+  if q_slot is not None:  # [len], or [batch, len] per row (the serving engine's positions)
+    q_slot = q_slot[None, :, None] if q_slot.ndim == 1 else q_slot[:, :, None]
+    kv_slot = kv_slot[None, None, :] if kv_slot.ndim == 1 else kv_slot[:, None, :]
+    mask = mask & (kv_slot <= q_slot)
     if window:
-      mask = mask & (q_slot[None, :, None] - kv_slot[None, None, :] < window)
+      mask = mask & (q_slot - kv_slot < window)
   return mask[:, None]
 
 
@@ -469,6 +472,33 @@ def dot_product_attention(q, k, v, q_segment, kv_segment, q_slot=None, kv_slot=N
                           matmul_dtype, window, softcap, scale)
 
 
+def paged_attention(q, k, v, pool_k, pool_v, src, kv_segment, kv_position, q_segment, q_position, *,
+                    alibi_slopes=None, window=0, softcap=0.0, scale=None, matmul_dtype="float32", scanned=False):
+  """New tokens' attention over their history in the serving engine's KV pool and over themselves.
+
+  q [batch, T, heads, head_dim]; k, v [batch, T, kv_heads, head_dim] (the new tokens'); pool_k, pool_v
+  [kv_heads * slots, head_dim]; src, kv_segment, kv_position [batch, L]: each history key's pool slot,
+  segment id (0: empty) and position; q_segment, q_position [batch, T]. A query sees the keys of its
+  segment at positions up to its own (within `window`). -> [batch, T, heads, head_dim]. The C++ kernel
+  (`jaxformer.paged`) where it runs, else one gather and `dot_product_attention`, the positions serving
+  as the causal slots (within a segment they order keys as slots do).
+  """
+  reason = paged.why_not(q, pool_k, alibi=alibi_slopes is not None, matmul_dtype=matmul_dtype, scanned=scanned)
+  paged.say_once(reason)
+  if reason is None:
+    return paged.kernel_attention(q, k, v, pool_k, pool_v, src, kv_segment, kv_position, q_segment, q_position,
+                                  window=window, softcap=softcap, scale=scale).astype(q.dtype)
+  kv_heads = k.shape[2]
+  keys = jnp.concatenate([paged.gather(pool_k, src, kv_heads).astype(k.dtype), k], 1)
+  values = jnp.concatenate([paged.gather(pool_v, src, kv_heads).astype(v.dtype), v], 1)
+  kv_segment = jnp.concatenate([kv_segment, q_segment], 1)
+  kv_position = jnp.concatenate([kv_position, q_position], 1)
+  return dot_product_attention(q, keys, values, q_segment, kv_segment, q_position, kv_position,
+                               alibi_slopes=alibi_slopes, q_position=q_position, kv_position=kv_position,
+                               implementation="einsum", matmul_dtype=matmul_dtype, window=window, softcap=softcap,
+                               scale=scale)
+
+
 def _dense_attention(q, k, v, mask, bias, dropout_rate, dropout_rng, causal, matmul_dtype, window=0, softcap=0.0,
                      scale=None):
   """The dense path: mask [batch, 1|heads, q_len, kv_len] bool, bias [batch|1, heads, q_len, kv_len] or None."""
@@ -564,24 +594,42 @@ class Attention(nn.Module):
 
     q_len = x.shape[1]
     window = cfg.sliding_window if self.local else 0
-    q_slot = kv_slot = jnp.arange(q_len) if self.causal else None
-    if decode and not cross:
-      update = self._update_ring if window else self._update_cache
-      k, v, kv_segment, kv_position, q_slot, kv_slot = update(k, v, q_segment, q_position)
+    if decode and not cross and self.has_variable("cache", "pool_key"):  # the serving engine's block pool
+      out = self._paged(q, k, v, q_segment, q_position, window)
+    else:
+      q_slot = kv_slot = jnp.arange(q_len) if self.causal else None
+      if decode and not cross:
+        update = self._update_ring if window else self._update_cache
+        k, v, kv_segment, kv_position, q_slot, kv_slot = update(k, v, q_segment, q_position)
 
-    slopes = alibi_slopes(h) if cfg.position == "alibi" and not cross else None
-    dropout_rng = None
-    if cfg.attention_dropout_rate > 0 and not deterministic:
-      dropout_rng = self.make_rng("dropout")
-    out = dot_product_attention(q, k, v, q_segment, kv_segment, q_slot, kv_slot, alibi_slopes=slopes,
-                                q_position=q_position, kv_position=kv_position,
-                                dropout_rate=cfg.attention_dropout_rate, dropout_rng=dropout_rng,
-                                deterministic=deterministic, implementation=cfg.attention_impl,
-                                causal=self.causal and not decode, matmul_dtype=cfg.matmul_dtype, window=window,
-                                softcap=cfg.attn_softcap if not cross else 0.0,
-                                scale=None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5)
+      slopes = alibi_slopes(h) if cfg.position == "alibi" and not cross else None
+      dropout_rng = None
+      if cfg.attention_dropout_rate > 0 and not deterministic:
+        dropout_rng = self.make_rng("dropout")
+      out = dot_product_attention(q, k, v, q_segment, kv_segment, q_slot, kv_slot, alibi_slopes=slopes,
+                                  q_position=q_position, kv_position=kv_position,
+                                  dropout_rate=cfg.attention_dropout_rate, dropout_rng=dropout_rng,
+                                  deterministic=deterministic, implementation=cfg.attention_impl,
+                                  causal=self.causal and not decode, matmul_dtype=cfg.matmul_dtype, window=window,
+                                  softcap=cfg.attn_softcap if not cross else 0.0,
+                                  scale=None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5)
     out = nn.with_logical_constraint(out, ("batch", "length", "heads", "kv"))
     return dense(cfg, cfg.d_model, ("heads", "kv", "embed"), axis=(-2, -1), name="out")(out)
+
+  def _paged(self, q, k, v, segment, position, window):
+    """The serving engine's cache (`jaxformer.engine`): the history lies in a block pool (`pool_key`,
+    `pool_value` [kv_heads * slots, head_dim]; `history_slots`, `history_segment`, `history_position`
+    [batch, L]); the new keys and values go back as `new_key`, `new_value` for the engine to write."""
+    cfg = self.cfg
+    cache = lambda name: self.get_variable("cache", name)
+    self.put_variable("cache", "new_key", k)
+    self.put_variable("cache", "new_value", v)
+    return paged_attention(q, k, v, cache("pool_key"), cache("pool_value"), cache("history_slots"),
+                           cache("history_segment"), cache("history_position"), segment, position,
+                           alibi_slopes=alibi_slopes(cfg.num_heads) if cfg.position == "alibi" else None,
+                           window=window, softcap=cfg.attn_softcap,
+                           scale=None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5,
+                           matmul_dtype=cfg.matmul_dtype, scanned=cfg.scan_layers)
 
   def _update_cache(self, k, v, segment, position):
     """Writes k, v [batch, len, kv_heads, head_dim] at cache_index; returns the whole cache."""

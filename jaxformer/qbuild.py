@@ -1,4 +1,5 @@
-"""Compiling the quantized-matmul kernel (csrc/qmatmul.cc): shared by setup.py and `jaxformer.qkernel`.
+"""Compiling the CPU kernels (csrc/: the quantized matmul, paged attention) into one shared library: shared by
+setup.py and `jaxformer.qkernel`.
 
 Standard library only: setup.py loads this file by its path in pip's build environment, which has
 jaxlib (the XLA FFI headers) but not jax. Two places get a build:
@@ -22,7 +23,10 @@ import sys
 import tempfile
 import time
 
-SOURCE = pathlib.Path(__file__).parent / "csrc" / "qmatmul.cc"
+CSRC = pathlib.Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "qmatmul.cc", CSRC / "paged_attention.cc")  # compiled together; both include workers.h
+HEADERS = (CSRC / "workers.h",)
+SOURCE = SOURCES[0]
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-Wno-attributes", "-Wno-return-type")
 INSTALLED = pathlib.Path(__file__).parent / "_qmatmul.so"  # where `pip install` puts its build
 
@@ -74,7 +78,7 @@ def key(cxx, jaxlib_version, ffi_api):
   """What a build is for: the source, this CPU (-march=native), the flags, the compiler, the headers.
 
   An installed library's stamp holds it; the cache names its builds by its hash (`cache_name`)."""
-  return {"source_sha256": _sha256(SOURCE.read_text()), "cpu_flags_sha256": _sha256(cpu_flags()),
+  return {"source_sha256": _sha256("".join(p.read_text() for p in SOURCES + HEADERS)), "cpu_flags_sha256": _sha256(cpu_flags()),
           "flags": list(FLAGS), "compiler": cxx, "jaxlib": jaxlib_version, "ffi_api": list(ffi_api)}
 
 
@@ -88,7 +92,7 @@ def mismatch(stamp, here):
   The compiler and jaxlib version may differ: XLA:CPU accepts handlers built against the same XLA
   FFI API major version and an older or equal minor one (xla/ffi/api/c_api.h)."""
   if stamp.get("source_sha256") != here["source_sha256"]:
-    return "built from another qmatmul.cc"
+    return "built from other kernel sources (csrc/)"
   if stamp.get("cpu_flags_sha256") != here["cpu_flags_sha256"]:
     return "built for another CPU (-march=native)"
   if stamp.get("flags") != here["flags"]:
@@ -101,26 +105,26 @@ def mismatch(stamp, here):
 
 
 def compile_library(cxx, include, out):
-  """Compiles SOURCE into `out`, built aside then renamed (concurrent builds are safe); RuntimeError with
+  """Compiles SOURCES into `out`, built aside then renamed (concurrent builds are safe); RuntimeError with
   the reason if it cannot."""
   out = pathlib.Path(out)
   out.parent.mkdir(parents=True, exist_ok=True)
   with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
     part = pathlib.Path(tmp) / out.name
-    cmd = [cxx, *FLAGS, f"-I{include}", str(SOURCE), "-o", str(part)]
+    cmd = [cxx, *FLAGS, f"-I{include}", *map(str, SOURCES), "-o", str(part)]
     try:
       proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     except OSError as e:
       raise RuntimeError(f"cannot run the compiler {cxx}: {e.strerror}") from None
     if proc.returncode:
       last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-      raise RuntimeError(f"building {SOURCE.name} failed: {last}")
+      raise RuntimeError(f"building {', '.join(p.name for p in SOURCES)} failed: {last}")
     os.replace(part, out)
   return out
 
 
 def build_installed(out, log=None):
-  """The `pip install` build (setup.py): SOURCE -> the library `out` and its stamp beside it.
+  """The `pip install` build (setup.py): SOURCES -> the library `out` and its stamp beside it.
 
   -> True if built. Never raises: without a compiler or headers, if compiling fails, or with
   JAXFORMER_QKERNEL=off it prints one warning line and leaves neither file (jaxformer.qkernel then
@@ -142,9 +146,9 @@ def build_installed(out, log=None):
     stamp_path(out).write_text(json.dumps(stamp, indent=1, sort_keys=True) + "\n")
   except Exception as e:  # pylint: disable=broad-except  (the install goes on without the kernel)
     out.unlink(missing_ok=True)
-    log(f"WARNING: jaxformer: the quantized-matmul kernel was not built at install ({e}); "
-        "jaxformer.qkernel builds it on first use or runs the XLA path")
+    log(f"WARNING: jaxformer: the CPU kernels (quantized matmul, paged attention) were not built at install ({e}); "
+        "jaxformer.qkernel builds them on first use or runs the XLA path")
     return False
-  log(f"jaxformer: built the quantized-matmul kernel {out.name} ({cxx}, jaxlib {version}, XLA FFI API "
+  log(f"jaxformer: built the CPU kernels (quantized matmul, paged attention) {out.name} ({cxx}, jaxlib {version}, XLA FFI API "
       f"{api[0]}.{api[1]}) in {time.perf_counter() - start:.1f} s")
   return True

@@ -1,4 +1,5 @@
-"""The CPU kernel of the quantized products (jaxformer/csrc/qmatmul.cc), called via jax.ffi.
+"""The CPU kernels (jaxformer/csrc: the quantized products, qmatmul.cc; paged attention, paged_attention.cc),
+compiled into one library and registered with jax.ffi.
 
 Compiled with the system C++ compiler (`$CXX`, else g++/c++) at `-O3 -march=native` against
 jaxlib's XLA FFI headers (`jaxformer.qbuild`), in one of two places, tried in this order:
@@ -85,6 +86,8 @@ def _register(path):
   handlers = {bits: getattr(lib, "JfQmatmulInt8" if bits == 8 else "JfQmatmulInt4") for bits in TARGETS}
   for bits, name in TARGETS.items():
     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handlers[bits]), platform="cpu")
+  # The same library holds paged attention (csrc/paged_attention.cc; `jaxformer.paged` calls it).
+  jax.ffi.register_ffi_target("jaxformer_paged_attention", jax.ffi.pycapsule(lib.JfPagedAttention), platform="cpu")
 
 
 def _load():

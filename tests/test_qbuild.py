@@ -20,7 +20,7 @@ def test_install_build_loads_and_matches_the_xla_path(tmp_path):
   lines = []
   if not qbuild.build_installed(lib, log=lines.append):
     pytest.skip(lines[0])
-  assert lines[0].startswith("jaxformer: built the quantized-matmul kernel _qmatmul.so") and len(lines) == 1
+  assert lines[0].startswith("jaxformer: built the CPU kernels (quantized matmul, paged attention) _qmatmul.so") and len(lines) == 1
   _, version, api = qbuild.headers()
   stamp = json.loads(qbuild.stamp_path(lib).read_text())
   assert stamp == qbuild.key(qbuild.compiler(), version, api)
@@ -66,9 +66,9 @@ def test_install_build_without_a_compiler_warns_and_goes_on(monkeypatch, tmp_pat
   err = capsys.readouterr().err.strip().splitlines()
   why = {"nonexistent": "cannot run the compiler /nonexistent/g++: No such file or directory",
          "no-compiler-on-path": "no C++ compiler found ($CXX, g++ or c++)",
-         "broken": "building qmatmul.cc failed: broken compiler", "off": "JAXFORMER_QKERNEL=off"}[setup]
-  assert err == [f"WARNING: jaxformer: the quantized-matmul kernel was not built at install ({why}); "
-                 "jaxformer.qkernel builds it on first use or runs the XLA path"]
+         "broken": "building qmatmul.cc, paged_attention.cc failed: broken compiler", "off": "JAXFORMER_QKERNEL=off"}[setup]
+  assert err == [f"WARNING: jaxformer: the CPU kernels (quantized matmul, paged attention) were not built at install ({why}); "
+                 "jaxformer.qkernel builds them on first use or runs the XLA path"]
   assert list(lib.parent.iterdir()) == []
 
 
@@ -85,7 +85,7 @@ def _installed_library(tmp_path, **changes):
     ({}, None),
     ({"compiler": "clang++", "jaxlib": "0.0.1"}, None),  # neither matters at run time
     ({"cpu_flags_sha256": "0" * 64}, "_qmatmul.so built for another CPU (-march=native)"),
-    ({"source_sha256": "0" * 64}, "_qmatmul.so built from another qmatmul.cc"),
+    ({"source_sha256": "0" * 64}, "_qmatmul.so built from other kernel sources (csrc/)"),
     ({"flags": ["-O0"]}, "_qmatmul.so built with other flags"),
     ({"ffi_api": [99, 0]}, "_qmatmul.so built against XLA FFI API 99.0"),
 ])

@@ -142,7 +142,7 @@ def test_build_failure_is_a_reason_not_a_crash(monkeypatch, tmp_path):
   (tmp_path / "no-such-compiler").write_text("#!/bin/sh\necho 'broken compiler' >&2\nexit 1\n")
   os.chmod(tmp_path / "no-such-compiler", 0o755)
   reason = qkernel._load()
-  assert reason.startswith("the C++ kernel is unavailable: building qmatmul.cc failed: broken compiler")
+  assert reason.startswith("the C++ kernel is unavailable: building qmatmul.cc, paged_attention.cc failed: broken compiler")
 
 
 def _logits(model, params, ids):
