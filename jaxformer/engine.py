@@ -160,7 +160,7 @@ class Engine:
     self._lock = threading.Lock()
     self._wake = threading.Condition(self._lock)
     self._ids = itertools.count()
-    self._step_fn = _step_program(model, mesh, self._kv_shardings())
+    self._step_fn = _step_program(model, mesh, self._kv_shardings(self.kv))
     self._thread, self._stop = None, False
     self.stats = collections.Counter()                 # prompt/cached/generated tokens, steps, outcomes
 
@@ -178,16 +178,15 @@ class Engine:
         lead = s.shape[:1] if _is_scanned(path) else ()
         kv.append(jnp.zeros(lead + (self.model.cfg.kv_heads * num_blocks * self.block_size, s.shape[-1]), s.dtype))
     # Committed to the device(s) as every step's output is, so the warm-up compiles what serving calls.
-    self._pool_ranks = tuple(x.ndim for x in kv)
-    return jax.device_put(kv, list(self._kv_shardings()) if self.mesh else jax.devices()[0])
+    return jax.device_put(kv, list(self._kv_shardings(kv)) if self.mesh else jax.devices()[0])
 
-  def _kv_shardings(self):
+  def _kv_shardings(self, pools):
     """Per pool array, its sharding on the mesh (None without one): the kv-heads-major rows over `tensor`, so
     each device holds its heads' keys and values (replicated when `tensor` does not divide kv_heads)."""
     if self.mesh is None:
       return None
     tensor = "tensor" if self.model.cfg.kv_heads % self.mesh.shape["tensor"] == 0 else None
-    return tuple(NamedSharding(self.mesh, P(*(None,) * (rank - 2), tensor, None)) for rank in self._pool_ranks)
+    return tuple(NamedSharding(self.mesh, P(*(None,) * (rank - 2), tensor, None)) for rank in (x.ndim for x in pools))
 
   def capacity_tokens(self):
     """Tokens the KV pool holds."""
