@@ -43,6 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxformer import decode
 from jaxformer import kv_pool
+from jaxformer import paged
 from jaxformer import sharding
 from jaxformer.errors import UserError
 
@@ -142,17 +143,22 @@ class Engine:
     self.prefill_chunk = prefill_chunk
     self.buckets = sorted({min(prefill_chunk, min_chunk * 2 ** i)
                            for i in range(max(1, int(np.ceil(np.log2(max(prefill_chunk / min_chunk, 1)))) + 1))})
-    # Decode gathers each row's history into one of a few widths (blocks): the smallest that holds the
-    # longest row, so a batch of short requests does not copy max_seq_len slots per row per layer. The
-    # widths go up by 2x and 1.5x in turn (32, 48, 64, 96, 128, ... slots): a step pays for at most a
-    # third more slots than its longest row holds.
+    # A row's history slot lists have a static width (blocks). The paged kernel reads only the slots a row
+    # holds, so one width (a context) serves every step. The gather path copies the whole width: there
+    # decode takes the smallest of a few widths that holds the longest row, 2x and 1.5x apart in turn (32,
+    # 48, 64, 96, ... slots: a step pays for at most a third more than its longest row), and a prefill row,
+    # holding its pieces' histories side by side (at most one context's worth: a piece that would pass it
+    # waits a step), fewer widths (x4 apart); each (chunk, width) pair is a program.
+    self.paged_kernel = paged.why_not(self.kv_dtype(model), alibi=cfg.position == "alibi",
+                                      matmul_dtype=cfg.matmul_dtype, scanned=cfg.scan_layers,
+                                      devices=1 if mesh is None else mesh.size)
     doubling = sorted({min(self.blocks_per_seq, max(1, 32 // block_size) * 2 ** i)
                        for i in range(int(np.ceil(np.log2(max(self.blocks_per_seq, 1)))) + 1)})
     self.history_buckets = sorted(set(doubling) | {min(self.blocks_per_seq, w * 3 // 2) for w in doubling if w > 1})
-    # A prefill row holds its pieces' histories side by side, at most one context's worth (a piece that
-    # would pass it waits a step), in fewer widths (x4 apart): each (chunk, width) pair is a program.
     self.max_history = self.blocks_per_seq * block_size
     self.prefill_widths = sorted(set(doubling[::2]) | {self.blocks_per_seq})
+    if self.paged_kernel is None:
+      self.history_buckets = self.prefill_widths = [self.blocks_per_seq]
     self.max_pack = min(max_batch, 8)                  # prompts packed in one prefill call, at most
     self.kv = self._init_kv(kv_blocks + 1)            # + the scratch block
     self.slots = [None] * max_batch
@@ -168,6 +174,12 @@ class Engine:
 
   def _cache_shapes(self, rows, length):
     return decode._cache_shapes(self.model, rows, length, 1)
+
+  @staticmethod
+  def kv_dtype(model):
+    """The dtype of the model's cached keys and values (the pool's)."""
+    return next(s.dtype for path, s in jax.tree_util.tree_leaves_with_path(decode._cache_shapes(model, 2, 2, 1))
+                if _leaf_key(path) == "cached_key")
 
   def _init_kv(self, num_blocks):
     """The pool's arrays: for each layer's cached_key / cached_value, [(layers,) kv_heads * blocks * block_size,

@@ -483,7 +483,8 @@ def paged_attention(q, k, v, pool_k, pool_v, src, kv_segment, kv_position, q_seg
   (`jaxformer.paged`) where it runs, else one gather and `dot_product_attention`, the positions serving
   as the causal slots (within a segment they order keys as slots do).
   """
-  reason = paged.why_not(q, pool_k, alibi=alibi_slopes is not None, matmul_dtype=matmul_dtype, scanned=scanned)
+  reason = paged.why_not(jnp.promote_types(q.dtype, pool_k.dtype), alibi=alibi_slopes is not None,
+                         matmul_dtype=matmul_dtype, scanned=scanned)
   paged.say_once(reason)
   if reason is None:
     return paged.kernel_attention(q, k, v, pool_k, pool_v, src, kv_segment, kv_position, q_segment, q_position,

@@ -22,21 +22,24 @@ _LOG = logging.getLogger(__name__)
 _SAID = set()
 
 
-def why_not(q, pool, *, alibi, matmul_dtype, scanned):
-  """None when the kernel runs for these operands, else the reason (a short phrase)."""
+def why_not(dtype, *, alibi, matmul_dtype, scanned, devices=None):
+  """None when the kernel runs for queries and pools of `dtype`, else the reason (a short phrase). devices: how
+  many the call is sharded over (None: the current mesh's, inside `sharding.use_mesh`)."""
   if os.environ.get("JAXFORMER_PAGED", "").lower() == "gather":
     return "JAXFORMER_PAGED=gather"
   if jax.default_backend() != "cpu":
     return f"no paged kernel on {jax.default_backend()} here (untested: Pallas paged attention is not wired)"
-  if q.dtype != jnp.float32 or pool.dtype != jnp.float32 or matmul_dtype != "float32":
+  if jnp.dtype(dtype) != jnp.float32 or matmul_dtype != "float32":
     return "the kernel takes float32 queries and pools"
   if alibi:
     return "ALiBi biases are not in the kernel"
   if scanned:  # inside nn.scan each layer's pool is a slice, which XLA would copy to hand it to a custom call
     return "scanned layers (model.scan_layers)"
-  mesh = jax.sharding.get_abstract_mesh()
-  if not mesh.empty and mesh.size > 1:  # a custom call is not partitioned: XLA would all-gather the pool
-    return f"sharded over {mesh.size} devices"
+  if devices is None:
+    mesh = jax.sharding.get_abstract_mesh()
+    devices = 1 if mesh.empty else mesh.size
+  if devices > 1:  # a custom call is not partitioned: XLA would all-gather the pool
+    return f"sharded over {devices} devices"
   return qkernel.unavailable()
 
 
