@@ -77,10 +77,10 @@ def main():
           f"{_median_ms(model_step):.1f} ms", flush=True)
 
   spent = collections.Counter()
-  for name in ("_prefill", "_decode"):
-    def timed(f=getattr(eng, name), name=name):
+  for name in ("_prefill", "_decode", "_mixed"):
+    def timed(*a, f=getattr(eng, name), name=name):
       start = time.perf_counter()
-      f()
+      f(*a)
       spent[name] += time.perf_counter() - start
     setattr(eng, name, timed)
   reqs = serve_load.requests(args)
@@ -102,8 +102,9 @@ def main():
   wall = time.perf_counter() - start
   print(f"engine, {args.concurrency} in flight: {len(reqs)} requests in {wall:.1f}s, "
         f"{sum(n for _, n in reqs) / wall:.1f} output tok/s; {spent['steps']} steps, "
-        f"{eng.stats['prefill_calls']} prefill calls ({eng.stats['prefill_pieces']} prompt pieces) "
-        f"{spent['_prefill']:.1f}s, decode calls {spent['_decode']:.1f}s", flush=True)
+        f"{eng.stats['prefill_calls']} prompt chunks ({eng.stats['prefill_pieces']} pieces), {eng.stats['mixed_calls']} of "
+        f"them in the decode call; time in prefill-only calls {spent['_prefill']:.1f}s, decode-only "
+        f"{spent['_decode']:.1f}s, both in one call {spent['_mixed']:.1f}s", flush=True)
 
 
 if __name__ == "__main__":

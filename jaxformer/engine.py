@@ -7,11 +7,12 @@
 
 A fixed number of decode slots (`max_batch`) run together; requests wait in a FIFO queue and take a
 free slot at the next step, and leave the moment they finish (a stop id, `max_tokens`, the length
-limit, `cancel`), freeing their slot and blocks. Each step makes one prefill call of at most
-`prefill_chunk` prompt tokens (the oldest prompts' next pieces packed side by side in one row, each its
-own segment, padded to a few static bucket sizes) and then one decode call over all slots, so the weights
-are read twice per step however many prompts wait, and a long prompt never stalls the running requests
-for more than a chunk.
+limit, `cancel`), freeing their slot and blocks. Each step feeds at most `prefill_chunk` prompt tokens
+(the oldest prompts' next pieces packed side by side in one row, each its own segment, padded to a few
+static bucket sizes) and one token of every running request, so a long prompt never stalls the running
+requests for more than a chunk. With the paged kernel both go in one call (the running requests' tokens
+are pieces of the same row), so the weights are read once per step; otherwise a prefill call and a decode
+call over all slots.
 
 KV memory is a pool of `kv_blocks` blocks of `block_size` tokens (`kv_pool.BlockPool`); a request holds
 a block table. Full prompt blocks are cached by a chained hash of their tokens, shared by later
@@ -159,6 +160,7 @@ class Engine:
     self.prefill_widths = sorted(set(doubling[::2]) | {self.blocks_per_seq})
     if self.paged_kernel is None:
       self.history_buckets = self.prefill_widths = [self.blocks_per_seq]
+    self.mixed_width = self.blocks_per_seq * (max_batch + 1)   # every running request's history + the prompts'
     self.max_pack = min(max_batch, 8)                  # prompts packed in one prefill call, at most
     self.kv = self._init_kv(kv_blocks + 1)            # + the scratch block
     self.slots = [None] * max_batch
@@ -354,12 +356,12 @@ class Engine:
     elif request.on_event:
       request.on_event(request)
 
-  def _prefill(self):
-    """Feeds up to `prefill_chunk` prompt tokens of the requests still prefilling, oldest first, packed into
-    one row of a bucket's length (several short prompts share a call, so the weights are read once)."""
+  def _prefill_pieces(self):
+    """This step's prompt pieces: up to `prefill_chunk` tokens of the requests still prefilling, oldest first
+    -> (chunk bucket, [(request, n)]); (None, []) when none prefills."""
     pending = sorted((r for r in self.slots if r is not None and r.computed < len(r.prompt)), key=lambda r: r.id)
     if not pending:
-      return
+      return None, []
     budget = min(self.prefill_chunk, sum(len(r.prompt) - r.computed for r in pending))
     # The largest bucket that fits takes a chunk without padding (80 tokens: 64 in this step, 16 in the
     # next); only a remainder below the smallest bucket is padded.
@@ -371,7 +373,11 @@ class Engine:
       n = min(len(r.prompt) - r.computed, take)
       row.append((r, n))
       history, take = history + r.computed, take - n
-    out = self._run([row], chunk, self._width(history, self.prefill_widths), self.max_pack)
+    return chunk, row
+
+  def _prefilled(self, row, out, first):
+    """Books a call's prompt pieces (`row`, sampled at out[first:]): blocks completed go to the prefix cache,
+    a finished prompt emits its first token."""
     self.stats["prefill_calls"] += 1
     self.stats["prefill_pieces"] += len(row)
     for j, (r, n) in enumerate(row):
@@ -381,11 +387,20 @@ class Engine:
         if i < len(r.keys):
           self.pool.register(r.blocks[i], r.keys[i])
       if r.computed == len(r.prompt):
-        self._emit(r, *(x[j] for x in out))
+        self._emit(r, *(x[first + j] for x in out))
+
+  def _prefill(self, chunk, row):
+    """The prompt pieces packed side by side in one row of a bucket's length (several short prompts share a
+    call, so the weights are read once)."""
+    history = sum(r.computed for r, _ in row)
+    self._prefilled(row, self._run([row], chunk, self._width(history, self.prefill_widths), self.max_pack), 0)
+
+  def _decode_rows(self):
+    return [r if r is not None and r.computed >= len(r.prompt) and r.output else None for r in self.slots]
 
   def _decode(self):
     """One token for every slot past its prompt (idle rows ride along, writing the scratch block)."""
-    rows = [r if r is not None and r.computed >= len(r.prompt) and r.output else None for r in self.slots]
+    rows = self._decode_rows()
     if not any(rows):
       return
     width = self._width(max(r.computed for r in rows if r), self.history_buckets)
@@ -395,14 +410,34 @@ class Engine:
         r.computed += 1
         self._emit(r, *(x[b] for x in out))
 
+  def _mixed(self, decoding, chunk, row):
+    """One call for both phases (the paged kernel only): the running requests' next tokens and the prompt
+    pieces, all packed in one row, so the weights are read once per step, not twice (a 16-row decode call
+    costs about what 16 more tokens of a 128-token prefill call do on CPU). The kernel visits only each
+    piece's own history, so the row's long width costs index arrays, not attention."""
+    out = self._run([[(r, 1) for r in decoding] + row], self.max_batch + chunk, self.mixed_width,
+                    self.max_batch + self.max_pack)
+    self.stats["mixed_calls"] += 1
+    for j, r in enumerate(decoding):
+      r.computed += 1
+      self._emit(r, *(x[j] for x in out))
+    self._prefilled(row, out, len(decoding))
+
   def step(self):
-    """One engine step: end cancelled requests, admit waiting ones, a prefill chunk, a decode step."""
+    """One engine step: end cancelled requests, admit waiting ones, then a prefill chunk and a decode step (in
+    one call when the paged kernel runs)."""
     for r in list(self.slots):
       if r is not None and r.cancel_reason:
         self._finish(r, r.cancel_reason)
     self._admit()
-    self._prefill()
-    self._decode()
+    chunk, row = self._prefill_pieces()
+    decoding = [r for r in self._decode_rows() if r is not None]
+    if row and decoding and self.paged_kernel is None:
+      self._mixed(decoding, chunk, row)
+    else:
+      if row:
+        self._prefill(chunk, row)
+      self._decode()
     self.stats["steps"] += 1
 
   def run_until_done(self):
@@ -419,6 +454,8 @@ class Engine:
     start = time.perf_counter()
     programs = ([(1, b, w, self.max_pack) for b in self.buckets for w in self.prefill_widths]
                 + [(self.max_batch, 1, w, 1) for w in self.history_buckets])
+    if self.paged_kernel is None:
+      programs += [(1, self.max_batch + b, self.mixed_width, self.max_batch + self.max_pack) for b in self.buckets]
     for rows, chunk, width, picks in programs:
       self._run([[]] * rows, chunk, width, picks)
     return time.perf_counter() - start

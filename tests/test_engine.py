@@ -68,6 +68,8 @@ def test_greedy_equals_generate_alone_and_batched(name):
   assert engine_lib.compilations() == compiled
   assert eng.stats["steps"] > max(new)      # more requests than slots: they joined as others left
   assert eng.stats["prefill_pieces"] > eng.stats["prefill_calls"]   # some calls packed several prompts
+  # With the paged kernel, prompts joining a running batch share its decode call; without, they never do.
+  assert (eng.stats["mixed_calls"] > 0) == (eng.paged_kernel is None)
   assert eng.pool.used() == 0
   expected = [row[:n] for row, n in zip(_reference(model, params, prompts, max(new)), new)]
   assert alone.output == expected[2]

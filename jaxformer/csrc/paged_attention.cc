@@ -9,6 +9,7 @@
 // The H query heads share KVH kv heads in groups of H / KVH (GQA/MQA). A query that sees no key gets zeros.
 // No gather: each visible key's row is read once per query head from where it lies, and only the keys a row
 // holds are read (the padding of a batch's history width costs one segment compare per slot).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -51,12 +52,39 @@ struct Shapes {
   int64_t R, T, H, KVH, D, S, L;
 };
 
+// Each row's slots grouped by segment id (a stable counting sort, once per call): a query then visits only its
+// own segment's keys, so a row packing many requests' pieces (long histories side by side) costs what its
+// pieces would cost apart. order[begin(r, s) .. end(r, s)) are row r's slots of segment s, in slot order.
+struct Groups {
+  std::vector<int32_t> order;
+  std::vector<int64_t> start;  // [rows, segments + 1]
+  int64_t segments = 0;
+  void Build(const int32_t* seg, int64_t rows, int64_t len, int64_t max_seg) {
+    segments = max_seg + 1;
+    order.assign(rows * len, 0);
+    start.assign(rows * (segments + 1), 0);
+    for (int64_t r = 0; r < rows; ++r) {
+      int64_t* st = &start[r * (segments + 1)];
+      for (int64_t j = 0; j < len; ++j) ++st[seg[r * len + j] + 1];
+      for (int64_t c = 0; c < segments; ++c) st[c + 1] += st[c];
+      std::vector<int64_t> next(st, st + segments);
+      for (int64_t j = 0; j < len; ++j) order[r * len + next[seg[r * len + j]]++] = static_cast<int32_t>(j);
+      for (int64_t c = 0; c <= segments; ++c) st[c] += r * len;
+    }
+  }
+  int64_t begin(int64_t r, int32_t s) const { return s < segments ? start[r * (segments + 1) + s] : 0; }
+  int64_t end(int64_t r, int32_t s) const { return s < segments ? start[r * (segments + 1) + s + 1] : 0; }
+};
+
+constexpr int32_t kMaxSegment = 1 << 16;
+
 // One (row, kv head): every query of the row, for each of the kv head's query heads. keys/values: scratch.
 void RowHead(const Shapes& n, int64_t r, int64_t kvh, const float* q, const float* k, const float* v,
              const float* pool_k, const float* pool_v, const int32_t* src, const int32_t* kv_seg,
-             const int32_t* kv_pos, const int32_t* q_seg, const int32_t* q_pos, float* out, int64_t window,
-             float scale, float softcap, std::vector<const float*>& keys, std::vector<const float*>& values,
-             std::vector<float>& scores, std::vector<float>& query) {
+             const int32_t* kv_pos, const int32_t* q_seg, const int32_t* q_pos, const Groups& hist,
+             const Groups& fresh, float* out, int64_t window, float scale, float softcap,
+             std::vector<const float*>& keys, std::vector<const float*>& values, std::vector<float>& scores,
+             std::vector<float>& query) {
   const int64_t g = n.H / n.KVH, D = n.D;
   for (int64_t t = 0; t < n.T; ++t) {
     const int32_t seg = q_seg[r * n.T + t], pos = q_pos[r * n.T + t];
@@ -65,16 +93,16 @@ void RowHead(const Shapes& n, int64_t r, int64_t kvh, const float* q, const floa
     keys.clear();
     values.clear();
     if (seg != 0) {
-      for (int64_t j = 0; j < n.L; ++j) {
-        const int64_t i = r * n.L + j;
-        if (kv_seg[i] != seg || kv_pos[i] > pos || (window > 0 && pos - kv_pos[i] >= window)) continue;
+      for (int64_t x = hist.begin(r, seg); x < hist.end(r, seg); ++x) {
+        const int64_t i = r * n.L + hist.order[x];
+        if (kv_pos[i] > pos || (window > 0 && pos - kv_pos[i] >= window)) continue;
         const int64_t row = kvh * n.S + src[i];
         keys.push_back(pool_k + row * D);
         values.push_back(pool_v + row * D);
       }
-      for (int64_t j = 0; j < n.T; ++j) {
-        const int64_t i = r * n.T + j;
-        if (q_seg[i] != seg || q_pos[i] > pos || (window > 0 && pos - q_pos[i] >= window)) continue;
+      for (int64_t x = fresh.begin(r, seg); x < fresh.end(r, seg); ++x) {
+        const int64_t i = r * n.T + fresh.order[x];
+        if (q_pos[i] > pos || (window > 0 && pos - q_pos[i] >= window)) continue;
         keys.push_back(k + (i * n.KVH + kvh) * D);
         values.push_back(v + (i * n.KVH + kvh) * D);
       }
@@ -126,6 +154,17 @@ ffi::Error PagedImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buff
   const int32_t *qs = q_seg.typed_data(), *qq = q_pos.typed_data();
   for (int64_t i = 0; i < n.R * n.L; ++i)
     if (sp[i] < 0 || sp[i] >= n.S) return ffi::Error::InvalidArgument("paged attention: a history slot is outside the pool");
+  int32_t max_seg = 0;
+  for (int64_t i = 0; i < n.R * n.L; ++i) max_seg = std::max(max_seg, ks[i]);
+  for (int64_t i = 0; i < n.R * n.T; ++i) max_seg = std::max(max_seg, qs[i]);
+  for (int64_t i = 0; i < n.R * n.L; ++i)
+    if (ks[i] < 0) return ffi::Error::InvalidArgument("paged attention: a negative segment id");
+  for (int64_t i = 0; i < n.R * n.T; ++i)
+    if (qs[i] < 0) return ffi::Error::InvalidArgument("paged attention: a negative segment id");
+  if (max_seg > kMaxSegment) return ffi::Error::InvalidArgument("paged attention: segment ids above 65536");
+  Groups hist, fresh;
+  hist.Build(ks, n.R, n.L, max_seg);
+  fresh.Build(qs, n.R, n.T, max_seg);
   float* op = out->typed_data();
   // Items are (row, kv head); the bytes read decide whether to split them over the workers.
   const int64_t items = n.R * n.KVH, bytes = items * (n.L + n.T) * n.D * 8;
@@ -135,8 +174,8 @@ ffi::Error PagedImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buff
     values.reserve(n.L + n.T);
     std::vector<float> scores(n.L + n.T), query(n.D);
     for (int64_t i = i0; i < i1; ++i)
-      RowHead(n, i / n.KVH, i % n.KVH, qp, kp, vp, pk, pv, sp, ks, kq, qs, qq, op, window, scale, softcap, keys,
-              values, scores, query);
+      RowHead(n, i / n.KVH, i % n.KVH, qp, kp, vp, pk, pv, sp, ks, kq, qs, qq, hist, fresh, op, window, scale,
+              softcap, keys, values, scores, query);
   }, /*grain=*/1);
   return ffi::Error::Success();
 }
