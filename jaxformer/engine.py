@@ -150,7 +150,8 @@ class Engine:
     # 48, 64, 96, ... slots: a step pays for at most a third more than its longest row), and a prefill row,
     # holding its pieces' histories side by side (at most one context's worth: a piece that would pass it
     # waits a step), fewer widths (x4 apart); each (chunk, width) pair is a program.
-    self.paged_kernel = paged.why_not(self.kv_dtype(model), alibi=cfg.position == "alibi",
+    # None when the paged kernel runs, else why attention takes the gather path.
+    self.paged_fallback = paged.why_not(self.kv_dtype(model), alibi=cfg.position == "alibi",
                                       matmul_dtype=cfg.matmul_dtype, scanned=cfg.scan_layers,
                                       devices=1 if mesh is None else mesh.size)
     doubling = sorted({min(self.blocks_per_seq, max(1, 32 // block_size) * 2 ** i)
@@ -158,7 +159,7 @@ class Engine:
     self.history_buckets = sorted(set(doubling) | {min(self.blocks_per_seq, w * 3 // 2) for w in doubling if w > 1})
     self.max_history = self.blocks_per_seq * block_size
     self.prefill_widths = sorted(set(doubling[::2]) | {self.blocks_per_seq})
-    if self.paged_kernel is None:
+    if self.paged_fallback is None:
       self.history_buckets = self.prefill_widths = [self.blocks_per_seq]
     self.mixed_width = self.blocks_per_seq * (max_batch + 1)   # every running request's history + the prompts'
     self.max_pack = min(max_batch, 8)                  # prompts packed in one prefill call, at most
@@ -432,7 +433,7 @@ class Engine:
     self._admit()
     chunk, row = self._prefill_pieces()
     decoding = [r for r in self._decode_rows() if r is not None]
-    if row and decoding and self.paged_kernel is None:
+    if row and decoding and self.paged_fallback is None:
       self._mixed(decoding, chunk, row)
     else:
       if row:
@@ -454,7 +455,7 @@ class Engine:
     start = time.perf_counter()
     programs = ([(1, b, w, self.max_pack) for b in self.buckets for w in self.prefill_widths]
                 + [(self.max_batch, 1, w, 1) for w in self.history_buckets])
-    if self.paged_kernel is None:
+    if self.paged_fallback is None:
       programs += [(1, self.max_batch + b, self.mixed_width, self.max_batch + self.max_pack) for b in self.buckets]
     for rows, chunk, width, picks in programs:
       self._run([[]] * rows, chunk, width, picks)

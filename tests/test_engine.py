@@ -56,7 +56,7 @@ def test_greedy_equals_generate_alone_and_batched(name):
   eng = engine_lib.Engine(model, params, max_batch=4, block_size=8, max_seq_len=64, prefill_chunk=16)
   eng.warm_up()
   # The gather path copies 32, 48 or 64 slots per row; the paged kernel reads only what a row holds.
-  assert eng.history_buckets == ([4, 6, 8] if eng.paged_kernel else [8])
+  assert eng.history_buckets == ([4, 6, 8] if eng.paged_fallback else [8])
   compiled = engine_lib.compilations()
   lengths = (5, 17, 30, 1, 40, 9, 23, 3, 33, 12)
   prompts = _prompts(model.cfg.vocab_size, lengths)
@@ -69,7 +69,7 @@ def test_greedy_equals_generate_alone_and_batched(name):
   assert eng.stats["steps"] > max(new)      # more requests than slots: they joined as others left
   assert eng.stats["prefill_pieces"] > eng.stats["prefill_calls"]   # some calls packed several prompts
   # With the paged kernel, prompts joining a running batch share its decode call; without, they never do.
-  assert (eng.stats["mixed_calls"] > 0) == (eng.paged_kernel is None)
+  assert (eng.stats["mixed_calls"] > 0) == (eng.paged_fallback is None)
   assert eng.pool.used() == 0
   expected = [row[:n] for row, n in zip(_reference(model, params, prompts, max(new)), new)]
   assert alone.output == expected[2]
