@@ -522,14 +522,10 @@ def _step(model, params, kv, tokens, segment, position, dest, src, kv_segment, k
   Engine._layout makes them. Sample row i (rows * k of them) uses key fold_in(PRNGKey(seed[i]), index[i])
   (index: the tokens it generated so far), as `decode.generate` folds the step into its key.
   """
-  kv_heads = model.cfg.kv_heads
-  heads = jnp.arange(kv_heads, dtype=jnp.int32) * (kv[0].shape[-2] // kv_heads)    # each head's first pool row
   layers_of = lambda x: x.shape[:1] if x.ndim == 3 else ()            # a scanned pool [layers, rows, d]
   cache = {}
   for path, pool_k, pool_v in zip(_attention_paths(model), kv[0::2], kv[1::2]):
-    node = cache
-    for name in path:
-      node = node.setdefault(name, {})
+    node = functools.reduce(lambda n, name: n.setdefault(name, {}), path, cache)
     lead = layers_of(pool_k)
     node.update(pool_key=pool_k, pool_value=pool_v, history_slots=jnp.broadcast_to(src, lead + src.shape),
                 history_segment=jnp.broadcast_to(kv_segment, lead + kv_segment.shape),
@@ -537,13 +533,9 @@ def _step(model, params, kv, tokens, segment, position, dest, src, kv_segment, k
   logits, cache = decode._lm_step(model, params, cache, tokens, segment, position, pick)
   logits = logits.reshape((-1,) + logits.shape[2:])                  # [rows * k, vocab]
   # The new keys and values [(layers,) rows, chunk, kv_heads, d] go to their pool rows.
-  scatter = dest[:, :, None] + heads[None, None, :]
-  new = []
-  for path in _attention_paths(model):
-    node = cache
-    for name in path:
-      node = node[name]
-    new += [node["new_key"], node["new_value"]]
+  scatter = paged.pool_rows(dest, model.cfg.kv_heads, kv[0].shape[-2])
+  nodes = [functools.reduce(lambda n, name: n[name], path, cache) for path in _attention_paths(model)]
+  new = [x for node in nodes for x in (node["new_key"], node["new_value"])]
   # The written values depend on the logits (+ 0 * a logit), so on every layer's reads of its pool: without a
   # data dependence XLA:CPU cannot order the reads before the in-place writes and copies each pool twice per
   # call (GPT-2 with an 8,192-token pool: ~190 ms a step). An optimization barrier does not order them.

@@ -595,15 +595,16 @@ class Attention(nn.Module):
 
     q_len = x.shape[1]
     window = cfg.sliding_window if self.local else 0
+    slopes = alibi_slopes(h) if cfg.position == "alibi" and not cross else None
+    scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
     if decode and not cross and self.has_variable("cache", "pool_key"):  # the serving engine's block pool
-      out = self._paged(q, k, v, q_segment, q_position, window)
+      out = self._paged(q, k, v, q_segment, q_position, window, slopes, scale)
     else:
       q_slot = kv_slot = jnp.arange(q_len) if self.causal else None
       if decode and not cross:
         update = self._update_ring if window else self._update_cache
         k, v, kv_segment, kv_position, q_slot, kv_slot = update(k, v, q_segment, q_position)
 
-      slopes = alibi_slopes(h) if cfg.position == "alibi" and not cross else None
       dropout_rng = None
       if cfg.attention_dropout_rate > 0 and not deterministic:
         dropout_rng = self.make_rng("dropout")
@@ -612,12 +613,11 @@ class Attention(nn.Module):
                                   dropout_rate=cfg.attention_dropout_rate, dropout_rng=dropout_rng,
                                   deterministic=deterministic, implementation=cfg.attention_impl,
                                   causal=self.causal and not decode, matmul_dtype=cfg.matmul_dtype, window=window,
-                                  softcap=cfg.attn_softcap if not cross else 0.0,
-                                  scale=None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5)
+                                  softcap=cfg.attn_softcap if not cross else 0.0, scale=scale)
     out = nn.with_logical_constraint(out, ("batch", "length", "heads", "kv"))
     return dense(cfg, cfg.d_model, ("heads", "kv", "embed"), axis=(-2, -1), name="out")(out)
 
-  def _paged(self, q, k, v, segment, position, window):
+  def _paged(self, q, k, v, segment, position, window, slopes, scale):
     """The serving engine's cache (`jaxformer.engine`): the history lies in a block pool (`pool_key`,
     `pool_value` [kv_heads * slots, head_dim]; `history_slots`, `history_segment`, `history_position`
     [batch, L]); the new keys and values go back as `new_key`, `new_value` for the engine to write."""
@@ -627,9 +627,7 @@ class Attention(nn.Module):
     self.put_variable("cache", "new_value", v)
     return paged_attention(q, k, v, cache("pool_key"), cache("pool_value"), cache("history_slots"),
                            cache("history_segment"), cache("history_position"), segment, position,
-                           alibi_slopes=alibi_slopes(cfg.num_heads) if cfg.position == "alibi" else None,
-                           window=window, softcap=cfg.attn_softcap,
-                           scale=None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5,
+                           alibi_slopes=slopes, window=window, softcap=cfg.attn_softcap, scale=scale,
                            matmul_dtype=cfg.matmul_dtype, scanned=cfg.scan_layers)
 
   def _update_cache(self, k, v, segment, position):

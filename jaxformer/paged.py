@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxformer import qkernel
 
-TARGET = "jaxformer_paged_attention"
+TARGET = qkernel.PAGED_TARGET
 _LOG = logging.getLogger(__name__)
 _SAID = set()
 
@@ -65,7 +65,11 @@ def kernel_attention(q, k, v, pool_k, pool_v, src, kv_segment, kv_position, q_se
       window=np.int64(window), scale=np.float32(scale), softcap=np.float32(softcap))
 
 
+def pool_rows(slots, kv_heads, pool_len):
+  """The pool rows holding slots [...] for every kv head -> [..., kv_heads] (head h's slot i at h * slots + i)."""
+  return slots[..., None] + jnp.arange(kv_heads, dtype=jnp.int32) * (pool_len // kv_heads)
+
+
 def gather(pool, src, kv_heads):
   """The history keys (or values) of each row: pool [kv_heads * slots, d], src [rows, L] -> [rows, L, kv_heads, d]."""
-  heads = jnp.arange(kv_heads, dtype=jnp.int32) * (pool.shape[0] // kv_heads)
-  return jnp.take(pool, src[:, :, None] + heads[None, None, :], axis=0)
+  return jnp.take(pool, pool_rows(src, kv_heads, pool.shape[0]), axis=0)

@@ -28,6 +28,7 @@ SOURCE = qbuild.SOURCE
 FLAGS = qbuild.FLAGS
 INSTALLED = qbuild.INSTALLED
 TARGETS = {8: "jaxformer_qmatmul_int8", 4: "jaxformer_qmatmul_int4"}
+PAGED_TARGET = "jaxformer_paged_attention"  # the same library's paged attention (`jaxformer.paged`)
 
 _STATE = {}  # "reason": why the kernel cannot run (None: registered), "source": "installed"/"cache"; set once
 _LOCK = threading.Lock()
@@ -86,8 +87,7 @@ def _register(path):
   handlers = {bits: getattr(lib, "JfQmatmulInt8" if bits == 8 else "JfQmatmulInt4") for bits in TARGETS}
   for bits, name in TARGETS.items():
     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handlers[bits]), platform="cpu")
-  # The same library holds paged attention (csrc/paged_attention.cc; `jaxformer.paged` calls it).
-  jax.ffi.register_ffi_target("jaxformer_paged_attention", jax.ffi.pycapsule(lib.JfPagedAttention), platform="cpu")
+  jax.ffi.register_ffi_target(PAGED_TARGET, jax.ffi.pycapsule(lib.JfPagedAttention), platform="cpu")
 
 
 def _load():

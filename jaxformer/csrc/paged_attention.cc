@@ -80,8 +80,7 @@ constexpr int32_t kMaxSegment = 1 << 16;
 
 // One (row, kv head): every query of the row, for each of the kv head's query heads. keys/values: scratch.
 void RowHead(const Shapes& n, int64_t r, int64_t kvh, const float* q, const float* k, const float* v,
-             const float* pool_k, const float* pool_v, const int32_t* src, const int32_t* kv_seg,
-             const int32_t* kv_pos, const int32_t* q_seg, const int32_t* q_pos, const Groups& hist,
+             const float* pool_k, const float* pool_v, const int32_t* src, const int32_t* kv_pos, const int32_t* q_seg, const int32_t* q_pos, const Groups& hist,
              const Groups& fresh, float* out, int64_t window, float scale, float softcap,
              std::vector<const float*>& keys, std::vector<const float*>& values, std::vector<float>& scores,
              std::vector<float>& query) {
@@ -174,7 +173,7 @@ ffi::Error PagedImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buff
     values.reserve(n.L + n.T);
     std::vector<float> scores(n.L + n.T), query(n.D);
     for (int64_t i = i0; i < i1; ++i)
-      RowHead(n, i / n.KVH, i % n.KVH, qp, kp, vp, pk, pv, sp, ks, kq, qs, qq, hist, fresh, op, window, scale,
+      RowHead(n, i / n.KVH, i % n.KVH, qp, kp, vp, pk, pv, sp, kq, qs, qq, hist, fresh, op, window, scale,
               softcap, keys, values, scores, query);
   }, /*grain=*/1);
   return ffi::Error::Success();
