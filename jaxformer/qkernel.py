@@ -27,7 +27,7 @@ from jaxformer import qbuild
 SOURCE = qbuild.SOURCE
 FLAGS = qbuild.FLAGS
 INSTALLED = qbuild.INSTALLED
-TARGETS = {8: "jaxformer_qmatmul_int8", 4: "jaxformer_qmatmul_int4"}
+TARGETS = {8: "jaxformer_qmatmul_int8", 4: "jaxformer_qmatmul_int4", 32: "jaxformer_matmul_f32"}
 PAGED_TARGET = "jaxformer_paged_attention"  # the same library's paged attention (`jaxformer.paged`)
 
 _STATE = {}  # "reason": why the kernel cannot run (None: registered), "source": "installed"/"cache"; set once
@@ -84,7 +84,7 @@ def source():
 
 def _register(path):
   lib = ctypes.cdll.LoadLibrary(str(path))
-  handlers = {bits: getattr(lib, "JfQmatmulInt8" if bits == 8 else "JfQmatmulInt4") for bits in TARGETS}
+  handlers = {8: lib.JfQmatmulInt8, 4: lib.JfQmatmulInt4, 32: lib.JfMatmulF32}
   for bits, name in TARGETS.items():
     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handlers[bits]), platform="cpu")
   jax.ffi.register_ffi_target(PAGED_TARGET, jax.ffi.pycapsule(lib.JfPagedAttention), platform="cpu")
@@ -118,6 +118,6 @@ def call(x, q, scale):
   reason = unavailable()  # builds and registers the kernel on first use
   if reason:
     raise RuntimeError(reason)
-  bits = 8 if q.dtype == jnp.int8 else 4
+  bits = {jnp.dtype(jnp.int8): 8, jnp.dtype(jnp.uint8): 4, jnp.dtype(jnp.float32): 32}[jnp.dtype(q.dtype)]
   out = jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32)
   return jax.ffi.ffi_call(TARGETS[bits], out, vmap_method="sequential")(x, q, scale)

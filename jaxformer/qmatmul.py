@@ -8,6 +8,9 @@ kernel flattened to w [K, N] (K = fan-in, N = fan-out) becomes
 - int4: `qkernel` uint8 [N, K / 2], two signed 4-bit values per byte (the even k in the low
   nibble, the odd k in the high one), `qscale` float32 [N, K / group]: one scale per
   group of `group` consecutive inputs of an output (s = max |w| over the group / 7, values -7..7).
+- float32 ("bits 32", not a quantization): `qkernel` float32 [N, K] = w^T, `qscale` ones [N]. The
+  serving engine lays a float model's weights out so (`output_major`) on CPU, where the kernel
+  streams each output's weights once for all of a step's rows (up to KERNEL_MAX_ROWS[32]).
 
 `matmul` is the product the Dense layers and MoE experts run on them: on CPU a C++ kernel
 (jaxformer/csrc, `jax.ffi`) for up to `KERNEL_MAX_ROWS` rows when it could be built, else the XLA
@@ -32,7 +35,9 @@ QUANT_PARAMS = ("qkernel", "qscale")
 # on GPT-2's [rows, 768] x [768, 3072] (weights in cache): int8 kernel 0.5-0.6x float32's time to 32 rows,
 # 0.7-1.0x at 64-128, 1.2x at 256 (XLA path 1.1-1.25x at 128-256); int4 0.6x at 32, 1.2-1.5x from 64,
 # where the XLA path (the weights dequantized, then XLA's float32 GEMM) does as well or better.
-KERNEL_MAX_ROWS = {8: 128, 4: 32}
+# float32 (`benchmarks/dense_layout.py kernel`, GPT-2's decode products): the kernel 0.6x XLA's time at 16 rows,
+# behind it from ~48 rows, where XLA's blocked GEMM reuses the activations better.
+KERNEL_MAX_ROWS = {8: 128, 4: 32, 32: 32}
 
 
 def quantize_int8(w):
@@ -75,7 +80,7 @@ def unpack_int4(packed):
 
 def dequantize(q, scale, dtype=jnp.float32):
   """(qkernel, qscale) -> the float kernel w^T [N, K] in `dtype`: what the quantized product multiplies by."""
-  if q.dtype == jnp.int8:
+  if q.dtype != jnp.uint8:  # int8, or float32 output-major
     return q.astype(dtype) * scale[:, None].astype(dtype)
   w = unpack_int4(q).astype(dtype)
   n, k = w.shape
@@ -84,8 +89,8 @@ def dequantize(q, scale, dtype=jnp.float32):
 
 
 def bits_of(q):
-  """8 or 4: the scheme of a `qkernel` (int8 or packed uint8)."""
-  return 8 if q.dtype == jnp.int8 else 4
+  """8, 4 or 32: the scheme of a `qkernel` (int8, packed uint8, float32 output-major)."""
+  return {jnp.dtype(jnp.int8): 8, jnp.dtype(jnp.uint8): 4}.get(jnp.dtype(q.dtype), 32)
 
 
 def xla_matmul(x, q, scale):
@@ -94,7 +99,7 @@ def xla_matmul(x, q, scale):
   int8: the int8 operand converted in the dot and the per-output scale applied to its result
   (exact algebra); int4: the unpacked weight times its group scales, then the dot."""
   dtype = x.dtype
-  if q.dtype == jnp.int8:
+  if q.dtype != jnp.uint8:  # int8 (or float32 output-major, scale 1)
     out = jnp.einsum("mk,nk->mn", x, q.astype(dtype), preferred_element_type=jnp.float32)
     return out * scale
   return jnp.einsum("mk,nk->mn", x, dequantize(q, scale, dtype), preferred_element_type=jnp.float32)
@@ -258,3 +263,22 @@ def expert_weight(module, name, dtype):
     return None
   q, scale = module.get_variable("params", f"{name}_qkernel"), module.get_variable("params", f"{name}_qscale")
   return jax.vmap(lambda q, s: dequantize(q, s, dtype).T)(q, scale)
+
+
+def output_major(params, found):
+  """Float params with each dense kernel of `found` ({path: (n_in, kind)}, `model.quantizable`) in the float32
+  output-major layout above (`qkernel` w^T [N, K], `qscale` ones [N]; MoE expert weights left as they are),
+  which the Dense layers and the tied table then multiply through `matmul`. A table [vocab, d_model] is
+  already output-major (its rows are the logits' outputs): it is kept, not copied."""
+  params = jax.tree.map(lambda x: x, params)  # new containers: the caller's tree is not edited
+  for path, (n_in, kind) in found.items():
+    if kind == "experts":
+      continue
+    *parents, leaf = path.split("/")
+    node = params
+    for p in parents:
+      node = node[p]
+    w = jnp.asarray(node.pop(leaf), jnp.float32)
+    q = w if kind == "embedding" else w.reshape(math.prod(w.shape[:n_in]), -1).T
+    node["qkernel"], node["qscale"] = q, jnp.ones((q.shape[0],), jnp.float32)
+  return params

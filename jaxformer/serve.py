@@ -628,6 +628,7 @@ def main(argv):
           f"kv={e.pool.num_blocks} blocks x {e.block_size} tokens ({e.capacity_tokens()} tokens) "
           f"max_seq_len={e.max_seq_len} prefill_chunk={e.prefill_chunk} attention="
           f"{'paged kernel' if e.paged_fallback is None else 'gather (' + e.paged_fallback + ')'} "
+          f"dense={'output-major kernel' if e.dense_fallback is None else 'XLA (' + e.dense_fallback + ')'} "
           f"warm-up {seconds:.1f}s", flush=True)
   # uvicorn re-raises the SIGTERM it handled once it has drained, under the handler it found: a no-op
   # one here, so a drained server exits 0 (a second Ctrl-C during the drain forces the exit, as uvicorn does).

@@ -200,6 +200,49 @@ def test_block_pool_refcounts_and_lru():
   assert pool.allocate(1) is None and len(b) == 3
 
 
+@pytest.mark.parametrize("path", ["kernel", "xla"])
+@pytest.mark.parametrize("name", ["gpt2_tiny", "llama_tiny"])
+def test_float_weights_served_output_major_through_the_kernel(name, path, monkeypatch):
+  """On one CPU device the engine lays a float model's dense kernels out output-major once (w^T exactly; a tied
+  table kept as it is, the caller's params untouched) and its programs multiply through the float32 kernel;
+  JAXFORMER_DENSE=xla keeps the model's layout and XLA's products. Both give decode.generate's greedy tokens
+  (GPT-2: tied table, learned positions; Llama: untied output layer, GQA)."""
+  from flax import traverse_util  # pylint: disable=g-import-not-at-top
+  from jaxformer import model as model_lib, qkernel  # pylint: disable=g-import-not-at-top
+  if path == "kernel" and qkernel.unavailable() is not None:
+    pytest.skip(f"no C++ kernel: {qkernel.unavailable()}")
+  if path == "xla":
+    monkeypatch.setenv("JAXFORMER_DENSE", "xla")
+  engine_lib._step_program.cache_clear()
+  model, params = _setup(name)
+  eng = engine_lib.Engine(model, params, max_batch=4, block_size=8, max_seq_len=64, prefill_chunk=16)
+  assert eng.dense_fallback == (None if path == "kernel" else "JAXFORMER_DENSE=xla")
+  flat = traverse_util.flatten_dict(params, sep="/")
+  served = traverse_util.flatten_dict(jax.device_get(eng.params), sep="/")
+  found = model_lib.quantizable(model.cfg)
+  assert any(kind == "output" for _, kind in found.values()) == (name == "llama_tiny")
+  for where, (n_in, kind) in found.items():
+    assert where in flat  # the caller's tree keeps its float kernels
+    prefix = where.rsplit("/", 1)[0]
+    if path == "xla":
+      assert where in served and prefix + "/qkernel" not in served
+      continue
+    w = np.asarray(flat[where])
+    expected = w if kind == "embedding" else w.reshape(int(np.prod(w.shape[:n_in])), -1).T
+    np.testing.assert_array_equal(served[prefix + "/qkernel"], expected)
+    np.testing.assert_array_equal(served[prefix + "/qscale"], np.ones(expected.shape[0], np.float32))
+  for rows, chunk in ((eng.max_batch, 1), (1, eng.max_batch + eng.buckets[-1])):  # decode and mixed programs
+    layout = eng._layout([[]] * rows, chunk, eng.history_buckets[0], 1)[0]
+    text = eng._step_fn.lower(eng.params, eng.kv, *layout, *eng._sampling_rows([None] * rows), True).as_text()
+    assert ("jaxformer_matmul_f32" in text) == (path == "kernel")
+  prompts = _prompts(model.cfg.vocab_size, (5, 17, 30, 9, 23, 12, 40, 3), seed=5)
+  new = [12, 7, 20, 15, 9, 11, 6, 14]
+  requests = [eng.submit(p, engine_lib.SamplingParams(max_tokens=n)) for p, n in zip(prompts, new)]
+  eng.run_until_done()
+  assert [r.output for r in requests] == [row[:n] for row, n in zip(_reference(model, params, prompts, max(new)), new)]
+  engine_lib._step_program.cache_clear()
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_a_quantized_model_serves_the_tokens_generate_gives_it(bits):
   """Weights quantized by jaxformer.quantize (int8 per channel, int4 in groups) go through the same layers in
@@ -235,7 +278,8 @@ def serve(mesh):
   compiled = engine_lib.compilations()
   requests = [eng.submit(p, engine_lib.SamplingParams(max_tokens=n)) for p, n in zip(prompts, new)]
   eng.run_until_done()
-  wq = eng.params["decoder"]["layer_0"]["self_attention"]["query"]["kernel"]
+  # one device: the kernels laid out output-major for the CPU kernel (`qkernel`); a mesh: the model's own
+  wq = eng.params["decoder"]["layer_0"]["self_attention"]["query"]["qkernel" if mesh is None else "kernel"]
   return {"tokens": [r.output for r in requests], "recompiled": engine_lib.compilations() - compiled,
           "query_spec": str(wq.sharding.spec) if mesh else None, "query_shard": list(wq.addressable_shards[0].data.shape),
           "pool_shard": list(eng.kv[0].addressable_shards[0].data.shape), "pool": list(eng.kv[0].shape)}

@@ -73,23 +73,51 @@ def _close(a, b, x, w):
   assert np.all(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)) <= bound + 1e-30)
 
 
+def _layout(w, bits, group=0):
+  """w [K, N] -> (q, scale) in a scheme: int8, int4 (in groups) or 32 (float32 output-major, the serving layout)."""
+  if bits == 32:
+    return np.ascontiguousarray(w.T), np.ones(w.shape[1], np.float32)
+  return qmatmul.quantize_int8(w) if bits == 8 else qmatmul.quantize_int4(w, group)
+
+
 @pytest.mark.parametrize("m,k,n,bits,group", [(1, 768, 130, 8, 0), (3, 33, 17, 8, 0), (16, 257, 5, 8, 0),
                                               (1, 96, 7, 4, 32), (5, 130, 9, 4, 130), (8, 64, 41, 4, 8),
-                                              (2, 6, 3, 4, 6), (1, 768, 701, 8, 0), (20, 1024, 603, 4, 128)])
+                                              (2, 6, 3, 4, 6), (1, 768, 701, 8, 0), (20, 1024, 603, 4, 128),
+                                              (1, 768, 130, 32, 0), (7, 37, 13, 32, 0), (16, 257, 5, 32, 0),
+                                              (32, 1024, 603, 32, 0), (2, 3, 1, 32, 0)])
 def test_cpu_kernel_matches_xla_path(m, k, n, bits, group):
   reason = qkernel.unavailable()
   if reason:
     pytest.skip(reason)
   rng = np.random.default_rng(m * k + n)
   w = rng.standard_normal((k, n)).astype(np.float32)
-  q, s = qmatmul.quantize_int8(w) if bits == 8 else qmatmul.quantize_int4(w, group)
+  q, s = _layout(w, bits, group)
   x = rng.standard_normal((m, k)).astype(np.float32)
   kernel = jax.jit(qkernel.call)(x, q, s)
   xla = jax.jit(qmatmul.xla_matmul)(x, q, s)
   dense = np.asarray(qmatmul.dequantize(jnp.asarray(q), jnp.asarray(s)))
+  if bits == 32:
+    np.testing.assert_array_equal(dense, w.T)  # the float layout is w^T itself
   _close(kernel, xla, x, dense)
   _close(kernel, x.astype(np.float64) @ dense.T.astype(np.float64), x, dense)
-  assert "jaxformer_qmatmul" in jax.jit(qmatmul.matmul).lower(x, q, s).as_text()  # decode rows take the kernel
+  assert qkernel.TARGETS[bits] in jax.jit(qmatmul.matmul).lower(x, q, s).as_text()  # decode rows take the kernel
+
+
+@pytest.mark.parametrize("k,n", [(768, 300), (37, 13), (3072, 70)])
+def test_float_kernel_rows_do_not_depend_on_the_batch(k, n):
+  """The float32 kernel computes each output in one order whatever the row count and the row's place (row groups
+  of 6 down to 1, a lane tail for odd k): every row of a 32-row product equals, bit for bit, the row alone and
+  within 5- and 16-row products. The serving engine's greedy tokens then do not depend on what else runs."""
+  if qkernel.unavailable():
+    pytest.skip(qkernel.unavailable())
+  rng = np.random.default_rng(k + n)
+  q, s = _layout(rng.standard_normal((k, n)).astype(np.float32), 32)
+  x = rng.standard_normal((32, k)).astype(np.float32)
+  call = jax.jit(qkernel.call)
+  full = np.asarray(call(x, q, s))
+  for rows in (1, 5, 16):
+    for start in range(0, 32 - rows + 1, 7):
+      np.testing.assert_array_equal(np.asarray(call(x[start:start + rows], q, s)), full[start:start + rows])
 
 
 def test_cpu_kernel_split_across_workers_from_concurrent_callers():
@@ -100,9 +128,9 @@ def test_cpu_kernel_split_across_workers_from_concurrent_callers():
     pytest.skip(qkernel.unavailable())
   rng = np.random.default_rng(7)
   cases = []
-  for m, k, n, bits in ((1, 768, 1000, 8), (4, 1024, 700, 4), (3, 768, 1200, 8), (1, 2048, 600, 4)):
+  for m, k, n, bits in ((1, 768, 1000, 8), (4, 1024, 700, 4), (3, 768, 1200, 8), (1, 2048, 600, 4), (16, 768, 500, 32)):
     w = rng.standard_normal((k, n)).astype(np.float32)
-    q, s = qmatmul.quantize_int8(w) if bits == 8 else qmatmul.quantize_int4(w, 128)
+    q, s = _layout(w, bits, 128)
     x = rng.standard_normal((m, k)).astype(np.float32)
     cases.append((x, q, s, np.asarray(qmatmul.dequantize(jnp.asarray(q), jnp.asarray(s)))))
   kernel = jax.jit(qkernel.call)
