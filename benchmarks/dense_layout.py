@@ -1,6 +1,9 @@
 """Whether output-major weights ([out, in]) would speed small-row float32 products on XLA:CPU.
 
     python benchmarks/dense_layout.py products            # GPT-2 124M's 48 decode products + LM head, rows 1..32
+    python benchmarks/dense_layout.py kernel              # the same products through the float32 CPU kernel
+                                                          # (qmatmul's output-major layout, as the engine serves)
+                                                          # against XLA [in, out], rows 1..64
     python benchmarks/dense_layout.py engine --workdir W  # serve_load's 32 requests through engine.Engine, the
                                                           # dense kernels handed over output-major (transposed back
                                                           # inside the program) against as stored
@@ -52,6 +55,43 @@ def products():
           f"[out, in] {_median_ms(out_in, x, w_out_in, emb):6.1f} ms", flush=True)
 
 
+def kernel():
+  """GPT-2's 48 decode products + tied LM head: XLA's dot on the model's [in, out] kernels against
+  `qmatmul.matmul` on the engine's float32 output-major layout (the C++ kernel up to KERNEL_MAX_ROWS[32] rows)."""
+  from jaxformer import qkernel, qmatmul  # pylint: disable=g-import-not-at-top
+  if qkernel.unavailable():
+    sys.exit(f"no C++ kernel: {qkernel.unavailable()}")
+  rng = np.random.default_rng(0)
+  shapes = [(768, 2304), (768, 768), (768, 3072), (3072, 768)] * 12
+  w_in_out = [jnp.asarray(rng.normal(0, 0.02, s), jnp.float32) for s in shapes]
+  layout = [(jnp.asarray(np.asarray(w).T.copy()), jnp.ones((w.shape[1],), jnp.float32)) for w in w_in_out]
+  emb = jnp.asarray(rng.normal(0, 0.02, (50257, 768)), jnp.float32)
+  ones = jnp.ones((50257,), jnp.float32)
+
+  def run(x, ws, emb, dot):
+    h = x
+    for i in range(0, len(ws), 4):
+      q = dot(h, ws[i])
+      h = h + dot(q[:, :768], ws[i + 1])
+      h = h + dot(jax.nn.gelu(dot(h, ws[i + 2])), ws[i + 3])
+    return dot(h, emb)
+
+  def _xla_run(x, w, e):
+    h = x
+    for i in range(0, len(w), 4):
+      q = h @ w[i]
+      h = h + q[:, :768] @ w[i + 1]
+      h = h + jax.nn.gelu(h @ w[i + 2]) @ w[i + 3]
+    return jax.lax.dot_general(h, e, (((1,), (1,)), ((), ())))
+  xla = jax.jit(_xla_run)
+  ours = jax.jit(lambda x, w, e: run(x, w, e, lambda a, b: qmatmul.matmul(a, *b)))
+  for rows in (1, 4, 8, 16, 24, 32, 48, 64):
+    x = jnp.full((rows, 768), 0.1, jnp.float32)
+    print(f"{rows:3d} rows: XLA, weights [in, out] {_median_ms(xla, x, w_in_out, emb):6.1f} ms; float32 output-major "
+          f"through qmatmul.matmul {_median_ms(ours, x, layout, (emb, ones)):6.1f} ms"
+          f"{' (the kernel)' if rows <= qmatmul.KERNEL_MAX_ROWS[32] else ' (XLA)'}", flush=True)
+
+
 def engine(workdir):
   """serve_load's 32 requests (16 in flight) through engine.Engine, kernels as stored, then handed output-major."""
   sys.path.insert(0, "benchmarks")
@@ -95,10 +135,10 @@ def engine(workdir):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("mode", choices=["products", "engine"])
+  parser.add_argument("mode", choices=["products", "kernel", "engine"])
   parser.add_argument("--workdir", default="/tmp/gpt2_small_random")
   args = parser.parse_args()
-  products() if args.mode == "products" else engine(args.workdir)
+  {"products": products, "kernel": kernel}.get(args.mode, lambda: engine(args.workdir))()
 
 
 if __name__ == "__main__":

@@ -35,8 +35,8 @@ QUANT_PARAMS = ("qkernel", "qscale")
 # on GPT-2's [rows, 768] x [768, 3072] (weights in cache): int8 kernel 0.5-0.6x float32's time to 32 rows,
 # 0.7-1.0x at 64-128, 1.2x at 256 (XLA path 1.1-1.25x at 128-256); int4 0.6x at 32, 1.2-1.5x from 64,
 # where the XLA path (the weights dequantized, then XLA's float32 GEMM) does as well or better.
-# float32 (`benchmarks/dense_layout.py kernel`, GPT-2's decode products): the kernel 0.6x XLA's time at 16 rows,
-# behind it from ~48 rows, where XLA's blocked GEMM reuses the activations better.
+# float32 (`benchmarks/dense_layout.py kernel`, GPT-2's decode products + head): the kernel 0.5x XLA's time at 16
+# rows, 0.57x at 32; at 144 rows ~1.6x, where XLA's blocked GEMM reuses the activations better.
 KERNEL_MAX_ROWS = {8: 128, 4: 32, 32: 32}
 
 
