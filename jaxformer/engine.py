@@ -23,6 +23,8 @@ The model is not forked: each call hands every layer its pool arrays and, per ro
 segment ids as training's packed rows are; `history_position`); `layers.Attention` then attends over the pool
 with `layers.paged_attention` (the C++ kernel of `jaxformer.paged` on CPU: no copy of the history; else one
 gather and the model's attention) and hands back the new keys and values, which `_step` writes into the pool.
+On one CPU device a float model's dense kernels are laid out output-major once (`qmatmul.output_major`), so
+decode steps multiply through the float32 C++ kernel (`Engine.dense_fallback` says why not elsewhere).
 The host makes every index array (`Engine._layout`). Sampling is `decode.sample_rows` (the filters
 `decode.generate` uses, with per-row settings). A sliding-window layer masks by position (its keys outside the
 window stay in the pool until the request ends).
@@ -494,7 +496,7 @@ class Engine:
 
 def _dense_why_not(model, params, mesh, paged_fallback):
   """None when the engine lays a float model's dense kernels out output-major for the CPU kernel (`qmatmul`'s
-  float32 format: each output's weights streamed once for all of a decode step's rows, 0.6x XLA's time at 16
+  float32 format: each output's weights streamed once for all of a decode step's rows, 0.5x XLA's time at 16
   rows on GPT-2), else why not (a short phrase)."""
   if os.environ.get("JAXFORMER_DENSE", "").lower() == "xla":
     return "JAXFORMER_DENSE=xla"
