@@ -6,13 +6,15 @@
                                                           # against XLA [in, out], rows 1..64
     python benchmarks/dense_layout.py engine --workdir W  # serve_load's 32 requests through engine.Engine, the
                                                           # dense kernels handed over output-major (transposed back
-                                                          # inside the program) against as stored
+                                                          # inside the program) against as stored (XLA's dot
+                                                          # both times: JAXFORMER_DENSE=xla)
 
 A probe, not a feature: the model stores kernels [in, out] (flax), so `products` shows what storing them the other
 way would buy, and `engine` whether XLA folds a transpose in the program into the dot (it copies the weights).
 """
 
 import argparse
+import os
 import sys
 import time
 
@@ -20,84 +22,74 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from block_matmul import median_ms  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-def _median_ms(fn, *args, reps=10):
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return np.median(times) * 1e3
+
+def _gpt2(x, ws, head, dot, head_dot=None):
+  """12 layers of GPT-2's QKV, out, FFN in and out products, then the LM head: dot(activations, weight)
+  (head_dot for the head, when its layout differs)."""
+  h = x
+  for i in range(0, len(ws), 4):
+    q = dot(h, ws[i])
+    h = h + dot(q[:, :768], ws[i + 1])
+    h = h + dot(jax.nn.gelu(dot(h, ws[i + 2])), ws[i + 3])
+  return (head_dot or dot)(h, head)
+
+
+def _weights():
+  """GPT-2 124M's 48 decode kernels [in, out] and the tied table [vocab, d_model] (N(0, 0.02))."""
+  rng = np.random.default_rng(0)
+  shapes = [(768, 2304), (768, 768), (768, 3072), (3072, 768)] * 12
+  return ([jnp.asarray(rng.normal(0, 0.02, s), jnp.float32) for s in shapes],
+          jnp.asarray(rng.normal(0, 0.02, (50257, 768)), jnp.float32))
+
+
+def _dot(out_major):
+  """a [M, K] . w, with w [K, N] (in, out) or [N, K] (out, in)."""
+  return lambda a, w: jax.lax.dot_general(a, w, (((1,), (1 if out_major else 0,)), ((), ())))
 
 
 def products():
-  """12 layers of GPT-2's QKV, out, FFN in and out products (+ the tied LM head), weights [in, out] or [out, in]."""
-  rng = np.random.default_rng(0)
-  shapes = [(768, 2304), (768, 768), (768, 3072), (3072, 768)] * 12
-  w_in_out = [jnp.asarray(rng.normal(0, 0.02, s), jnp.float32) for s in shapes]
+  """The 48 products (+ the tied LM head), weights [in, out] or [out, in], through XLA's dot."""
+  w_in_out, emb = _weights()
   w_out_in = [jnp.asarray(np.asarray(w).T.copy()) for w in w_in_out]
-  emb = jnp.asarray(rng.normal(0, 0.02, (50257, 768)), jnp.float32)
-
-  def run(x, ws, emb, out_major):
-    dot = lambda a, w: jax.lax.dot_general(a, w, (((1,), (1 if out_major else 0,)), ((), ())))
-    h = x
-    for i in range(0, len(ws), 4):
-      q = dot(h, ws[i])
-      h = h + dot(q[:, :768], ws[i + 1])
-      h = h + dot(jax.nn.gelu(dot(h, ws[i + 2])), ws[i + 3])
-    return jax.lax.dot_general(h, emb, (((1,), (1,)), ((), ())))
-  in_out = jax.jit(lambda x, w, e: run(x, w, e, False))
-  out_in = jax.jit(lambda x, w, e: run(x, w, e, True))
   for rows in (1, 4, 8, 16, 24, 32):
     x = jnp.full((rows, 768), 0.1, jnp.float32)
-    print(f"{rows:3d} rows: weights [in, out] {_median_ms(in_out, x, w_in_out, emb):6.1f} ms, "
-          f"[out, in] {_median_ms(out_in, x, w_out_in, emb):6.1f} ms", flush=True)
+    print(f"{rows:3d} rows: weights [in, out] {median_ms(_in_out_run, x, w_in_out, emb, n=10):6.1f} ms, "
+          f"[out, in] {median_ms(lambda x, w, e: _gpt2(x, w, e, _dot(True)), x, w_out_in, emb, n=10):6.1f} ms",
+          flush=True)
+
+
+def _in_out_run(x, w, emb):
+  """The products on [in, out] kernels, the tied head on its [vocab, d_model] table (XLA's dot throughout)."""
+  return _gpt2(x, w, emb, _dot(False), _dot(True))
 
 
 def kernel():
-  """GPT-2's 48 decode products + tied LM head: XLA's dot on the model's [in, out] kernels against
-  `qmatmul.matmul` on the engine's float32 output-major layout (the C++ kernel up to KERNEL_MAX_ROWS[32] rows)."""
+  """The same products through `qmatmul.matmul` on the engine's float32 output-major layout (the C++ kernel up to
+  KERNEL_MAX_ROWS[32] rows) against XLA's dot on the model's [in, out] kernels."""
   from jaxformer import qkernel, qmatmul  # pylint: disable=g-import-not-at-top
   if qkernel.unavailable():
     sys.exit(f"no C++ kernel: {qkernel.unavailable()}")
-  rng = np.random.default_rng(0)
-  shapes = [(768, 2304), (768, 768), (768, 3072), (3072, 768)] * 12
-  w_in_out = [jnp.asarray(rng.normal(0, 0.02, s), jnp.float32) for s in shapes]
+  w_in_out, emb = _weights()
   layout = [(jnp.asarray(np.asarray(w).T.copy()), jnp.ones((w.shape[1],), jnp.float32)) for w in w_in_out]
-  emb = jnp.asarray(rng.normal(0, 0.02, (50257, 768)), jnp.float32)
-  ones = jnp.ones((50257,), jnp.float32)
-
-  def run(x, ws, emb, dot):
-    h = x
-    for i in range(0, len(ws), 4):
-      q = dot(h, ws[i])
-      h = h + dot(q[:, :768], ws[i + 1])
-      h = h + dot(jax.nn.gelu(dot(h, ws[i + 2])), ws[i + 3])
-    return dot(h, emb)
-
-  def _xla_run(x, w, e):
-    h = x
-    for i in range(0, len(w), 4):
-      q = h @ w[i]
-      h = h + q[:, :768] @ w[i + 1]
-      h = h + jax.nn.gelu(h @ w[i + 2]) @ w[i + 3]
-    return jax.lax.dot_general(h, e, (((1,), (1,)), ((), ())))
-  xla = jax.jit(_xla_run)
-  ours = jax.jit(lambda x, w, e: run(x, w, e, lambda a, b: qmatmul.matmul(a, *b)))
+  head = (emb, jnp.ones((emb.shape[0],), jnp.float32))
+  ours = lambda x, w, e: _gpt2(x, w, e, lambda a, b: qmatmul.matmul(a, *b))
   for rows in (1, 4, 8, 16, 24, 32, 48, 64):
     x = jnp.full((rows, 768), 0.1, jnp.float32)
-    print(f"{rows:3d} rows: XLA, weights [in, out] {_median_ms(xla, x, w_in_out, emb):6.1f} ms; float32 output-major "
-          f"through qmatmul.matmul {_median_ms(ours, x, layout, (emb, ones)):6.1f} ms"
+    print(f"{rows:3d} rows: XLA, weights [in, out] {median_ms(_in_out_run, x, w_in_out, emb, n=10):6.1f} ms; "
+          f"float32 output-major through qmatmul.matmul {median_ms(ours, x, layout, head, n=10):6.1f} ms"
           f"{' (the kernel)' if rows <= qmatmul.KERNEL_MAX_ROWS[32] else ' (XLA)'}", flush=True)
 
 
 def engine(workdir):
   """serve_load's 32 requests (16 in flight) through engine.Engine, kernels as stored, then handed output-major."""
-  sys.path.insert(0, "benchmarks")
   import serve_load  # pylint: disable=g-import-not-at-top
   from jaxformer import engine as engine_lib, evaluate  # pylint: disable=g-import-not-at-top
   _, model, params, _, _ = evaluate.load_run(workdir, log=lambda *a: None)
+  # XLA's dot on both sides: with the float32 kernel on, the engine would lay out the kernels this probe turns
+  os.environ["JAXFORMER_DENSE"] = "xla"
   moves = {"wi": (0, -1), "wo": (0, -1), "query": (0, -1), "key": (0, -1), "value": (0, -1), "out": (-1, 0)}
 
   def turn(path, x, back=False):

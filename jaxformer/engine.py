@@ -167,7 +167,7 @@ class Engine:
     if self.paged_fallback is None:
       self.history_buckets = self.prefill_widths = [self.blocks_per_seq]
     # None when the dense products take the CPU kernel (the weights laid out output-major once, here), else why not.
-    self.dense_fallback = _dense_why_not(model, self.params, mesh, self.paged_fallback)
+    self.dense_fallback = _dense_why_not(model, self.params, self.paged_fallback)
     if self.dense_fallback is None:
       self.params = qmatmul.output_major(self.params, model_lib.quantizable(cfg))
     self.mixed_width = self.blocks_per_seq * (max_batch + 1)   # every running request's history + the prompts'
@@ -494,16 +494,14 @@ class Engine:
       self._thread.join()
 
 
-def _dense_why_not(model, params, mesh, paged_fallback):
+def _dense_why_not(model, params, paged_fallback):
   """None when the engine lays a float model's dense kernels out output-major for the CPU kernel (`qmatmul`'s
   float32 format: each output's weights streamed once for all of a decode step's rows, 0.5x XLA's time at 16
   rows on GPT-2), else why not (a short phrase)."""
   if os.environ.get("JAXFORMER_DENSE", "").lower() == "xla":
     return "JAXFORMER_DENSE=xla"
-  if paged_fallback is not None:  # not one CPU device with float32 and the kernels built
+  if paged_fallback is not None:  # not one CPU device (a mesh of several included), float32, the kernels built
     return paged_fallback
-  if mesh is not None and mesh.size > 1:
-    return f"sharded over {mesh.size} devices"
   if jnp.dtype(model.cfg.dtype) != jnp.float32:
     return f"activations are {model.cfg.dtype}"
   if any("qkernel" in str(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)):

@@ -113,11 +113,15 @@ def _load():
   return None
 
 
+def bits_of(q):
+  """8, 4 or 32: the scheme of a `qkernel` (int8, packed uint8, float32 output-major; `jaxformer.qmatmul`)."""
+  return {jnp.dtype(jnp.int8): 8, jnp.dtype(jnp.uint8): 4, jnp.dtype(jnp.float32): 32}[jnp.dtype(q.dtype)]
+
+
 def call(x, q, scale):
   """x [M, K] float32 . the quantized kernel (q, scale as in `jaxformer.qmatmul`) -> [M, N] float32 (the C++ kernel)."""
   reason = unavailable()  # builds and registers the kernel on first use
   if reason:
     raise RuntimeError(reason)
-  bits = {jnp.dtype(jnp.int8): 8, jnp.dtype(jnp.uint8): 4, jnp.dtype(jnp.float32): 32}[jnp.dtype(q.dtype)]
   out = jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32)
-  return jax.ffi.ffi_call(TARGETS[bits], out, vmap_method="sequential")(x, q, scale)
+  return jax.ffi.ffi_call(TARGETS[bits_of(q)], out, vmap_method="sequential")(x, q, scale)

@@ -15,7 +15,8 @@ kernel flattened to w [K, N] (K = fan-in, N = fan-out) becomes
 `matmul` is the product the Dense layers and MoE experts run on them: on CPU a C++ kernel
 (jaxformer/csrc, `jax.ffi`) for up to `KERNEL_MAX_ROWS` rows when it could be built, else the XLA
 path (the int8/int4 weights converted inside the `dot_general`, which TPU/GPU compilers fuse),
-logged once with the reason. Float runs never reach this module: their programs are unchanged.
+logged once with the reason. Float models reach it only through the serving engine's
+output-major layout (`output_major`); their training, eval and generate programs are unchanged.
 """
 
 import json
@@ -88,9 +89,7 @@ def dequantize(q, scale, dtype=jnp.float32):
   return (w.reshape(n, groups, k // groups) * scale[:, :, None].astype(dtype)).reshape(n, k)
 
 
-def bits_of(q):
-  """8, 4 or 32: the scheme of a `qkernel` (int8, packed uint8, float32 output-major)."""
-  return {jnp.dtype(jnp.int8): 8, jnp.dtype(jnp.uint8): 4}.get(jnp.dtype(q.dtype), 32)
+bits_of = qkernel.bits_of  # 8, 4 or 32: the scheme of a `qkernel`
 
 
 def xla_matmul(x, q, scale):
