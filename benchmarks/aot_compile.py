@@ -27,6 +27,13 @@ writes, printed next to `inspect`'s weight and KV-cache bytes:
 (the model holds float32 params whatever model.dtype is; --param-dtype bfloat16 casts the float
 leaves, as a bfloat16 checkpoint would be read; a quantized model's scales stay float32).
 
+One serving-engine decode step through JAX's Pallas paged-attention kernel instead (`aot.lower_engine_decode`:
+BATCH slots of one token over a block pool, block tables of CONTEXT tokens; prints whether the compiled program
+holds the Mosaic kernel, and XLA's memory next to the pool's bytes):
+
+    /work/venv-tpu/bin/python benchmarks/aot_compile.py --topology v6e-1 --config llama3_8b --batch 16 \
+        --serve-decode 2048 [--block-size 16] [--param-dtype bfloat16]
+
 --platform cuda tries the same for GPUs (`jax-cuda12-plugin`); see BENCHMARKS.md for what happened.
 libtpu serves one process at a time (/tmp/libtpu_lockfile): run these one after another. A
 program that cannot fit is refused by the compiler; that is printed as "does NOT fit" with
@@ -98,13 +105,21 @@ def main(argv=None):
   parser.add_argument("--group-size", type=int, default=128, help="with --quantize 4: inputs per scale (default 128)")
   parser.add_argument("--embedding", default="int8", help="with --quantize: tables int8 (default) or float")
   parser.add_argument("--param-dtype", default=None, help="with --decode: float32 (the model's) or bfloat16")
+  parser.add_argument("--serve-decode", type=int, default=None, metavar="CONTEXT",
+                      help="compile the serving engine's decode step (Pallas paged attention) for BATCH slots")
+  parser.add_argument("--block-size", type=int, default=16, help="with --serve-decode: tokens per KV block")
   args = parser.parse_args(argv)
-  if args.decode is None and (args.quantize is not None or args.param_dtype is not None):
-    raise SystemExit("error: --quantize and --param-dtype go with --decode CONTEXT")
+  if args.decode is None and (args.quantize is not None or (args.param_dtype is not None and args.serve_decode is None)):
+    raise SystemExit("error: --quantize goes with --decode CONTEXT; --param-dtype with --decode or --serve-decode")
   if args.param_dtype not in (None, "float32", "bfloat16"):
     raise SystemExit(f"error: --param-dtype {args.param_dtype}: float32 or bfloat16")
   t = time.perf_counter()
   devices, hbm_gb = devices_for(args)
+  if args.serve_decode is not None:
+    try:
+      return serve_decode_step(args, devices, hbm_gb, t)
+    except UserError as e:
+      raise SystemExit(f"error: {e}") from None
   if args.decode is not None:
     try:
       return decode_step(args, devices, hbm_gb, t)
@@ -178,6 +193,31 @@ def decode_step(args, devices, hbm_gb, t):
     largest = max(e["k"] * e["n"] for e in manifest["kernels"].values()) * jax.numpy.dtype(cfg.model.dtype).itemsize
     print(f"the largest kernel dequantized to {cfg.model.dtype} would be {gib(largest)}: temporaries / that = "
           f"{xla['temp'] / largest:.3f}")
+  if args.show_ops:
+    _show_ops(compiled, args.show_ops)
+
+
+def serve_decode_step(args, devices, hbm_gb, t):
+  """--serve-decode: compile the engine's decode step (Pallas paged attention) on one chip."""
+  cfg = config.load_config(args.config, args.overrides)
+  print(f"{args.topology} (one {devices[0].device_kind} of {len(devices)}, {hbm_gb} GB), jax {jax.__version__}; "
+        f"{cfg.name} {' '.join(args.overrides)} (model.dtype {cfg.model.dtype}); engine decode step: {args.batch} slots"
+        f" x 1 token, block tables of {args.serve_decode:,} tokens in blocks of {args.block_size}")
+  lowered, lower_s = aot.lower_engine_decode(cfg, devices[0], args.batch, args.serve_decode, args.block_size,
+                                             param_dtype=args.param_dtype)
+  c = time.perf_counter()
+  compiled = lowered.compile()
+  compile_s = time.perf_counter() - c
+  xla = aot.memory(compiled)
+  text = compiled.as_text()
+  kernels = len(re.findall(r'custom_call_target="tpu_custom_call"', text))
+  pool = inspect.kv_cache_bytes(cfg, args.serve_decode, cfg.model.dtype) * args.batch
+  gib = lambda b: f"{b / 2**30:.3f} GiB"
+  print(f"lowered in {lower_s:.1f} s, compiled in {compile_s:.1f} s ({time.perf_counter() - t:.1f} s in all)")
+  print(f"Mosaic kernels (tpu_custom_call) in the compiled program: {kernels} (layers: {cfg.model.num_layers})")
+  print(f"XLA per chip: arguments {gib(xla['argument'])}, outputs {gib(xla['output'])}, donated {gib(xla['alias'])}, "
+        f"temporaries {gib(xla['temp'])}; total {gib(xla['total'])}; the pool (inspect's KV cache of "
+        f"{args.batch} x {args.serve_decode:,} tokens, {cfg.model.dtype}) {gib(pool)}")
   if args.show_ops:
     _show_ops(compiled, args.show_ops)
 

@@ -92,9 +92,11 @@ def main():
   start = time.perf_counter()
   for _ in range(min(args.concurrency, len(queue))):
     submit()
+  peak = 0
   while live:
     eng.step()
     spent["steps"] += 1
+    peak = max(peak, eng.running())
     for r in [r for r in live if r.finished]:
       live.remove(r)
       if queue:
@@ -104,7 +106,8 @@ def main():
         f"{sum(n for _, n in reqs) / wall:.1f} output tok/s; {spent['steps']} steps, "
         f"{eng.stats['prefill_calls']} prompt chunks ({eng.stats['prefill_pieces']} pieces), {eng.stats['mixed_calls']} of "
         f"them in the decode call; time in prefill-only calls {spent['_prefill']:.1f}s, decode-only "
-        f"{spent['_decode']:.1f}s, both in one call {spent['_mixed']:.1f}s", flush=True)
+        f"{spent['_decode']:.1f}s, both in one call {spent['_mixed']:.1f}s; at most {peak} running at once, "
+        f"{eng.stats['preemptions']} preemptions", flush=True)
 
 
 if __name__ == "__main__":

@@ -140,6 +140,39 @@ def compile_decode_step(cfg, devices, batch, context, bits=None, group_size=128,
   return compiled, lower_s, time.perf_counter() - t
 
 
+def lower_engine_decode(cfg, device=None, slots=16, context=2048, block_size=16, kv_blocks=None, param_dtype=None):
+  """(lowered decode step of the serving engine, seconds): `engine._step` as `Engine._decode` calls it on a TPU,
+  `slots` rows of one token each over a block pool through JAX's Pallas paged-attention kernel (block tables of
+  context / block_size blocks; `kv_blocks` blocks in the pool, default slots x context / block_size). device: a
+  TPU device (a deviceless topology's) to lower for, everything placed on it; None lowers for platform "tpu"
+  from this host (no libtpu needed to lower, only to compile)."""
+  from jaxformer import engine  # pylint: disable=g-import-not-at-top
+  if cfg.model.arch != "decoder_only":
+    raise UserError(f"--serve-decode: a decoder-only config (this one is {cfg.model.arch})")
+  m = dataclasses.replace(cfg.model, scan_layers=False)
+  if reason := engine.paged.pallas_why_not(m, engine.Engine.kv_dtype(model_lib.build_model(m)), platform="tpu"):
+    raise UserError(f"--serve-decode: {cfg.name} cannot take the Pallas kernel: {reason}")
+  model = model_lib.build_model(m)
+  params, _ = abstract_decode_params(cfg, param_dtype=param_dtype)
+  width = -(-context // block_size)
+  kv_blocks = kv_blocks or slots * width
+  kv = engine.pool_shapes(model, kv_blocks + 1, block_size)
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  args = [params, kv, *[i32(slots, 1)] * 4, *[i32(slots, width * block_size)] * 3, i32(slots, 1),
+          f32(slots), i32(slots), f32(slots), i32(slots), i32(slots), jax.ShapeDtypeStruct((), jnp.bool_)]
+  extra = dict(pages=i32(slots, width), lengths=i32(slots))
+  step = jax.jit(functools.partial(engine._step, model), donate_argnums=(1,))  # pylint: disable=protected-access
+  t = time.perf_counter()
+  if device is None:
+    lowered = step.trace(*args, **extra).lower(lowering_platforms=("tpu",))
+  else:
+    chip = jax.sharding.NamedSharding(jax.sharding.Mesh([device], ("one",)), jax.sharding.PartitionSpec())
+    place = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=chip), tree)
+    lowered = step.lower(*place(args), **place(extra))
+  return lowered, time.perf_counter() - t
+
+
 def memory(compiled):
   """XLA's per-device bytes of a compiled step: arguments, outputs, aliased (donated), temporaries and
   the total live at once (arguments + outputs - aliased + temporaries)."""

@@ -15,8 +15,14 @@ are pieces of the same row), so the weights are read once per step; otherwise a 
 call over all slots.
 
 KV memory is a pool of `kv_blocks` blocks of `block_size` tokens (`kv_pool.BlockPool`); a request holds
-a block table. Full prompt blocks are cached by a chained hash of their tokens, shared by later
-requests with the same prefix (which prefill only the rest) and evicted least recently used.
+a block table that grows a block at a time as it generates (admitted with its prompt's blocks, one spare
+block per running request left over). When a running request needs a block and none is left, the newest
+running request is preempted (vLLM's recompute preemption): its full blocks go to the prefix cache, its
+blocks are released, and it waits at the head of the queue; readmitted, it reads those blocks back from
+the cache (unless evicted meanwhile) and prefills the rest of its prompt and output, then goes on
+sampling where it stopped (same seed and step index). Full blocks are cached by a chained hash of their
+tokens, shared by later requests with the same prefix (which prefill only the rest) and evicted least
+recently used.
 
 The model is not forked: each call hands every layer its pool arrays and, per row, where its history lies
 (`history_slots`: pool slots; `history_segment`: 0 for empty slots, pieces packed in a row told apart by their
@@ -97,6 +103,9 @@ class Request:
   blocks: list = dataclasses.field(default_factory=list)
   keys: list = dataclasses.field(default_factory=list)      # prefix-cache keys of its full prompt blocks
   computed: int = 0                # tokens whose keys and values are in the pool
+  prefill_to: int = 0              # tokens to prefill: the prompt, + the output so far when resumed
+  admitted: int = None             # admission order (the newest running request is preempted first)
+  preemptions: int = 0
   cached_tokens: int = 0           # of them, read from the prefix cache
   cancel_reason: str = None
   arrival: float = 0.0
@@ -159,6 +168,8 @@ class Engine:
     self.paged_fallback = paged.why_not(self.kv_dtype(model), alibi=cfg.position == "alibi",
                                       matmul_dtype=cfg.matmul_dtype, scanned=cfg.scan_layers,
                                       devices=1 if mesh is None else mesh.size)
+    # None when decode steps take JAX's Pallas TPU paged-attention kernel (prefill keeps the gather), else why not.
+    self.pallas_fallback = paged.pallas_why_not(cfg, self.kv_dtype(model), devices=1 if mesh is None else mesh.size)
     doubling = sorted({min(self.blocks_per_seq, max(1, 32 // block_size) * 2 ** i)
                        for i in range(int(np.ceil(np.log2(max(self.blocks_per_seq, 1)))) + 1)})
     self.history_buckets = sorted(set(doubling) | {min(self.blocks_per_seq, w * 3 // 2) for w in doubling if w > 1})
@@ -178,6 +189,8 @@ class Engine:
     self._lock = threading.Lock()
     self._wake = threading.Condition(self._lock)
     self._ids = itertools.count()
+    self._admissions = itertools.count()
+    self._preempted_at = -1
     self._step_fn = _step_program(model, mesh, self._kv_shardings(self.kv))
     self._thread, self._stop = None, False
     self.stats = collections.Counter()                 # prompt/cached/generated tokens, steps, outcomes
@@ -194,13 +207,8 @@ class Engine:
                 if _leaf_key(path) == "cached_key")
 
   def _init_kv(self, num_blocks):
-    """The pool's arrays: for each layer's cached_key / cached_value, [(layers,) kv_heads * blocks * block_size,
-    head_dim] (head h's slot i at row h * blocks * block_size + i: one gather makes either cache layout)."""
-    kv = []
-    for path, s in jax.tree_util.tree_leaves_with_path(self._cache_shapes(2, 2)):
-      if _leaf_key(path) in ("cached_key", "cached_value"):
-        lead = s.shape[:1] if _is_scanned(path) else ()
-        kv.append(jnp.zeros(lead + (self.model.cfg.kv_heads * num_blocks * self.block_size, s.shape[-1]), s.dtype))
+    """The pool's arrays (`pool_shapes`), zeros on the device(s)."""
+    kv = [jnp.zeros(s.shape, s.dtype) for s in pool_shapes(self.model, num_blocks, self.block_size)]
     # Committed to the device(s) as every step's output is, so the warm-up compiles what serving calls.
     return jax.device_put(kv, list(self._kv_shardings(kv)) if self.mesh else jax.devices()[0])
 
@@ -277,7 +285,8 @@ class Engine:
       request.on_event(request)
 
   def _admit(self):
-    """Moves waiting requests into free slots (FIFO) while the pool can hold their whole length."""
+    """Moves waiting requests into free slots (FIFO) while the pool holds their prompt's blocks (a resumed
+    request's: prompt and output) and one spare block per running request, for their next tokens."""
     with self._lock:
       for request in list(self.waiting):
         if request.cancel_reason:
@@ -285,21 +294,55 @@ class Engine:
           self._finish(request, request.cancel_reason)
       while self.waiting and None in self.slots:
         request = self.waiting[0]
-        keys = kv_pool.block_hashes(request.prompt, self.block_size)
-        keys = keys[:(len(request.prompt) - 1) // self.block_size]   # the last prompt token is always run
+        tokens = request.prompt + request.output
+        keys = kv_pool.block_hashes(tokens, self.block_size)
+        keys = keys[:(len(tokens) - 1) // self.block_size]   # the last token is always run
         hits = self.pool.lookup(keys)
-        need = self._blocks_for(len(request.prompt) + request.params.max_tokens - 1) - len(hits)
-        fresh = self.pool.allocate(need)
+        need = self._blocks_for(len(tokens)) - len(hits)
+        spare = self.running() + 1 if self.running() else 0   # alone, a request may take every block
+        fresh = self.pool.allocate(need) if self.pool.available() >= need + spare else None
         if fresh is None:                       # wait for running requests to free blocks
           self.pool.release(reversed(hits))
           return
         self.waiting.popleft()
         request.blocks, request.keys = hits + fresh, keys
         request.computed = request.cached_tokens = len(hits) * self.block_size
+        request.prefill_to = len(tokens)
+        request.admitted = next(self._admissions)
         request.slot = self.slots.index(None)
         self.slots[request.slot] = request
-        self.stats["prompt_tokens"] += len(request.prompt)
-        self.stats["cached_tokens"] += request.cached_tokens
+        if request.preemptions:
+          self.stats["resumed_cached_tokens"] += request.cached_tokens
+        else:
+          self.stats["prompt_tokens"] += len(request.prompt)
+          self.stats["cached_tokens"] += request.cached_tokens
+
+  def _reserve(self, requests):
+    """Gives each of `requests` (running, oldest first) the blocks its next token needs, preempting the newest
+    running request while the pool has none -> those still running."""
+    for r in sorted(requests, key=lambda r: r.admitted):
+      while r.slot is not None and len(r.blocks) < self._blocks_for(r.computed + 1):
+        fresh = self.pool.allocate(1)
+        if fresh is not None:
+          r.blocks += fresh
+        else:
+          self._preempt(max((x for x in self.slots if x is not None), key=lambda x: x.admitted))
+    return [r for r in requests if r.slot is not None]
+
+  def _preempt(self, request):
+    """Frees a running request's slot and blocks (its full blocks kept in the prefix cache, so resuming
+    recomputes little) and puts it at the head of the queue; its output so far stays."""
+    tokens = (request.prompt + request.output)[:request.computed]
+    for block, key in zip(request.blocks, kv_pool.block_hashes(tokens, self.block_size)):
+      self.pool.register(block, key)
+    self.pool.release(reversed(request.blocks))
+    self.slots[request.slot] = None
+    request.slot, request.blocks, request.computed = None, [], 0
+    request.preemptions += 1
+    self.stats["preemptions"] += 1
+    self._preempted_at = self.stats["steps"]
+    with self._lock:
+      self.waiting.appendleft(request)
 
   def _sampling_rows(self, requests):
     p = [r.params if r else SamplingParams() for r in requests]
@@ -311,13 +354,15 @@ class Engine:
     """The smallest history width (blocks) in `widths` that holds `slots` tokens."""
     return next(w for w in widths if w * self.block_size >= slots)
 
-  def _layout(self, parts, chunk, width, picks):
+  def _layout(self, parts, chunk, width, picks, pallas=False):
     """The index arrays of one call, made here on the host. parts: per row, the (request, n) pieces packed
     in it (a decode row: [(request, 1)]; an idle row: []): each piece feeds the request's next n tokens
     after its `computed` ones, under segment id = its place in the row + 1, so pieces never see each
     other's keys. A row holds its pieces' histories side by side in `width` blocks of slots, then its
-    `chunk` new tokens (pads: segment 0, written to the scratch block). -> arrays of `_step`, the requests
-    sampled ([rows * picks], None where there is no piece)."""
+    `chunk` new tokens (pads: segment 0, written to the scratch block). pallas (decode rows): also each row's
+    block table [rows, width] and keys to read [rows] (its history + the new token; an idle row reads the
+    scratch slot it writes). -> arrays of `_step`, its keyword arrays, the requests sampled ([rows * picks],
+    None where there is no piece)."""
     rows, bs = len(parts), self.block_size
     slots = width * bs
     tokens, segment, position, dest = (np.zeros((rows, chunk), np.int32) for _ in range(4))
@@ -338,14 +383,22 @@ class Engine:
         pick[b, j] = c + n - 1
         sampled[b * picks + j] = r
         c += n
-    return (tokens, segment, position, dest, src, kv_segment, kv_position, pick), sampled
+    extra = {}
+    if pallas:
+      pages, lengths = np.zeros((rows, width), np.int32), np.ones(rows, np.int32)
+      for b, row in enumerate(parts):
+        for r, n in row:
+          pages[b, :len(r.blocks[:width])] = r.blocks[:width]
+          lengths[b] = r.computed + n
+      extra = dict(pages=pages, lengths=lengths)
+    return (tokens, segment, position, dest, src, kv_segment, kv_position, pick), extra, sampled
 
-  def _run(self, parts, chunk, width, picks):
+  def _run(self, parts, chunk, width, picks, pallas=False):
     """One program call (see `_layout`) -> per sampled row (token, logprob, top ids, top logprobs)."""
-    arrays, sampled = self._layout(parts, chunk, width, picks)
+    arrays, extra, sampled = self._layout(parts, chunk, width, picks, pallas)
     want = np.bool_(any(r is not None and r.params.logprobs for r in sampled))
     with sharding.use_mesh(self.mesh) if self.mesh else contextlib.nullcontext():
-      out, self.kv = self._step_fn(self.params, self.kv, *arrays, *self._sampling_rows(sampled), want)
+      out, self.kv = self._step_fn(self.params, self.kv, *arrays, *self._sampling_rows(sampled), want, **extra)
     return jax.device_get(out)
 
   def _emit(self, request, token, logprob, top_ids, top_logprobs):
@@ -369,10 +422,10 @@ class Engine:
   def _prefill_pieces(self):
     """This step's prompt pieces: up to `prefill_chunk` tokens of the requests still prefilling, oldest first
     -> (chunk bucket, [(request, n)]); (None, []) when none prefills."""
-    pending = sorted((r for r in self.slots if r is not None and r.computed < len(r.prompt)), key=lambda r: r.id)
+    pending = sorted((r for r in self.slots if r is not None and r.computed < r.prefill_to), key=lambda r: r.id)
     if not pending:
       return None, []
-    budget = min(self.prefill_chunk, sum(len(r.prompt) - r.computed for r in pending))
+    budget = min(self.prefill_chunk, sum(r.prefill_to - r.computed for r in pending))
     # The largest bucket that fits takes a chunk without padding (80 tokens: 64 in this step, 16 in the
     # next); only a remainder below the smallest bucket is padded.
     chunk = max([b for b in self.buckets if b <= budget], default=self.buckets[0])
@@ -380,14 +433,14 @@ class Engine:
     for r in pending:
       if take == 0 or len(row) == self.max_pack or history + r.computed > self.max_history:
         break
-      n = min(len(r.prompt) - r.computed, take)
+      n = min(r.prefill_to - r.computed, take)
       row.append((r, n))
       history, take = history + r.computed, take - n
     return chunk, row
 
   def _prefilled(self, row, out, first):
     """Books a call's prompt pieces (`row`, sampled at out[first:]): blocks completed go to the prefix cache,
-    a finished prompt emits its first token."""
+    a finished prompt emits its first token (a resumed request: its next one)."""
     self.stats["prefill_calls"] += 1
     self.stats["prefill_pieces"] += len(row)
     for j, (r, n) in enumerate(row):
@@ -396,7 +449,7 @@ class Engine:
       for i in range(r.cached_tokens // self.block_size, r.computed // self.block_size):
         if i < len(r.keys):
           self.pool.register(r.blocks[i], r.keys[i])
-      if r.computed == len(r.prompt):
+      if r.computed == r.prefill_to:
         self._emit(r, *(x[first + j] for x in out))
 
   def _prefill(self, chunk, row):
@@ -406,15 +459,17 @@ class Engine:
     self._prefilled(row, self._run([row], chunk, self._width(history, self.prefill_widths), self.max_pack), 0)
 
   def _decode_rows(self):
-    return [r if r is not None and r.computed >= len(r.prompt) and r.output else None for r in self.slots]
+    return [r if r is not None and r.computed >= r.prefill_to and r.output else None for r in self.slots]
 
   def _decode(self):
     """One token for every slot past its prompt (idle rows ride along, writing the scratch block)."""
+    self._reserve([r for r in self._decode_rows() if r is not None])
     rows = self._decode_rows()
     if not any(rows):
       return
-    width = self._width(max(r.computed for r in rows if r), self.history_buckets)
-    out = self._run([[(r, 1)] if r else [] for r in rows], 1, width, 1)
+    pallas = self.pallas_fallback is None    # its block table also holds the new token's block
+    width = self._width(max(r.computed for r in rows if r) + pallas, self.history_buckets)
+    out = self._run([[(r, 1)] if r else [] for r in rows], 1, width, 1, pallas)
     for b, r in enumerate(rows):
       if r is not None:
         r.computed += 1
@@ -434,14 +489,15 @@ class Engine:
     self._prefilled(row, out, len(decoding))
 
   def step(self):
-    """One engine step: end cancelled requests, admit waiting ones, then a prefill chunk and a decode step (in
-    one call when the paged kernel runs)."""
+    """One engine step: end cancelled requests, give the running ones their next token's blocks (preempting if
+    short), admit waiting ones, then a prefill chunk and a decode step (in one call when the paged kernel runs)."""
     for r in list(self.slots):
       if r is not None and r.cancel_reason:
         self._finish(r, r.cancel_reason)
-    self._admit()
+    decoding = self._reserve([r for r in self._decode_rows() if r is not None])
+    if self._preempted_at != self.stats["steps"]:   # a request just preempted would only take blocks back
+      self._admit()
     chunk, row = self._prefill_pieces()
-    decoding = [r for r in self._decode_rows() if r is not None]
     if row and decoding and self.paged_fallback is None:
       self._mixed(decoding, chunk, row)
     else:
@@ -462,12 +518,13 @@ class Engine:
     -> seconds taken.
     The rows write only the scratch block (n_real 0), so the pool is left as it was."""
     start = time.perf_counter()
-    programs = ([(1, b, w, self.max_pack) for b in self.buckets for w in self.prefill_widths]
-                + [(self.max_batch, 1, w, 1) for w in self.history_buckets])
+    programs = ([(1, b, w, self.max_pack, False) for b in self.buckets for w in self.prefill_widths]
+                + [(self.max_batch, 1, w, 1, self.pallas_fallback is None) for w in self.history_buckets])
     if self.paged_fallback is None:
-      programs += [(1, self.max_batch + b, self.mixed_width, self.max_batch + self.max_pack) for b in self.buckets]
-    for rows, chunk, width, picks in programs:
-      self._run([[]] * rows, chunk, width, picks)
+      programs += [(1, self.max_batch + b, self.mixed_width, self.max_batch + self.max_pack, False)
+                   for b in self.buckets]
+    for rows, chunk, width, picks, pallas in programs:
+      self._run([[]] * rows, chunk, width, picks, pallas)
     return time.perf_counter() - start
 
   def start(self):
@@ -492,6 +549,18 @@ class Engine:
       self._wake.notify()
     if self._thread:
       self._thread.join()
+
+
+def pool_shapes(model, num_blocks, block_size):
+  """The pool's arrays (ShapeDtypeStructs): for each layer's cached_key / cached_value, [(layers,) kv_heads *
+  blocks * block_size, head_dim] (head h's slot i at row h * blocks * block_size + i: one gather makes either
+  cache layout; a [kv_heads, blocks, block_size, head_dim] view is the Pallas kernel's pages)."""
+  out = []
+  for path, s in jax.tree_util.tree_leaves_with_path(decode._cache_shapes(model, 2, 2, 1)):
+    if _leaf_key(path) in ("cached_key", "cached_value"):
+      lead = s.shape[:1] if _is_scanned(path) else ()
+      out.append(jax.ShapeDtypeStruct(lead + (model.cfg.kv_heads * num_blocks * block_size, s.shape[-1]), s.dtype))
+  return out
 
 
 def _dense_why_not(model, params, paged_fallback):
@@ -537,12 +606,14 @@ def _shard_params(model, params, mesh):
 
 
 def _step(model, params, kv, tokens, segment, position, dest, src, kv_segment, kv_position, pick,
-          temperature, top_k, top_p, seed, index, want_logprobs):
+          temperature, top_k, top_p, seed, index, want_logprobs, pages=None, lengths=None):
   """One engine program: rows of new tokens through the model over their history in the pool -> samples, new pool.
 
   tokens, segment, position, dest [rows, chunk]: the new tokens, their segment ids (0: a pad), positions
   and pool slots to write; src, kv_segment, kv_position [rows, slots]: each history slot's pool slot,
   segment id (0: empty) and position; pick [rows, k]: the chunk positions whose next token is sampled.
+  pages [rows, slots / block_size], lengths [rows]: a decode step's block tables and keys to read, for the
+  Pallas TPU kernel (the layers write their new keys and values into the pool themselves then).
   Engine._layout makes them. Sample row i (rows * k of them) uses key fold_in(PRNGKey(seed[i]), index[i])
   (index: the tokens it generated so far), as `decode.generate` folds the step into its key.
   """
@@ -554,18 +625,15 @@ def _step(model, params, kv, tokens, segment, position, dest, src, kv_segment, k
     node.update(pool_key=pool_k, pool_value=pool_v, history_slots=jnp.broadcast_to(src, lead + src.shape),
                 history_segment=jnp.broadcast_to(kv_segment, lead + kv_segment.shape),
                 history_position=jnp.broadcast_to(kv_position, lead + kv_position.shape))
+    if pages is not None:   # never scanned (paged.pallas_why_not)
+      node.update(history_pages=pages, history_length=lengths, new_slots=dest)
   logits, cache = decode._lm_step(model, params, cache, tokens, segment, position, pick)
   logits = logits.reshape((-1,) + logits.shape[2:])                  # [rows * k, vocab]
-  # The new keys and values [(layers,) rows, chunk, kv_heads, d] go to their pool rows.
-  scatter = paged.pool_rows(dest, model.cfg.kv_heads, kv[0].shape[-2])
   nodes = [functools.reduce(lambda n, name: n[name], path, cache) for path in _attention_paths(model)]
-  new = [x for node in nodes for x in (node["new_key"], node["new_value"])]
-  # The written values depend on the logits (+ 0 * a logit), so on every layer's reads of its pool: without a
-  # data dependence XLA:CPU cannot order the reads before the in-place writes and copies each pool twice per
-  # call (GPT-2 with an 8,192-token pool: ~190 ms a step). An optimization barrier does not order them.
-  after_reads = jnp.zeros((), logits.dtype) * logits[0, 0]
-  new = [(x + after_reads.astype(x.dtype)).astype(pool.dtype) for pool, x in zip(kv, new)]
-  new_kv = [pool.at[:, scatter].set(x) if layers_of(pool) else pool.at[scatter].set(x) for pool, x in zip(kv, new)]
+  if pages is not None:                  # the layers wrote the new keys and values: their pools are the new ones
+    new_kv = [x for node in nodes for x in (node["pool_key"], node["pool_value"])]
+  else:
+    new_kv = _write_new(model, kv, nodes, dest, logits)
   keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(seed, index)
   token = decode.sample_rows(logits, keys, temperature, top_k, top_p)
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
@@ -575,3 +643,15 @@ def _step(model, params, kv, tokens, segment, position, dest, src, kv_segment, k
       want_logprobs, lambda: tuple(jax.lax.top_k(logp, k)),
       lambda: (jnp.zeros((logp.shape[0], k), logp.dtype), jnp.zeros((logp.shape[0], k), jnp.int32)))
   return (token, chosen, top_ids, top_logp), new_kv
+
+
+def _write_new(model, kv, nodes, dest, logits):
+  """The pool with each layer's new keys and values [(layers,) rows, chunk, kv_heads, d] written at `dest`."""
+  new = [x for node in nodes for x in (node["new_key"], node["new_value"])]
+  # The written values depend on the logits (+ 0 * a logit), so on every layer's reads of its pool: without a
+  # data dependence XLA:CPU cannot order the reads before the in-place writes and copies each pool twice per
+  # call (GPT-2 with an 8,192-token pool: ~190 ms a step). An optimization barrier does not order them.
+  after_reads = jnp.zeros((), logits.dtype) * logits[0, 0]
+  new = [(x + after_reads.astype(x.dtype)).astype(pool.dtype) for pool, x in zip(kv, new)]
+  rows = paged.pool_rows(dest, model.cfg.kv_heads, kv[0].shape[-2])
+  return [pool.at[:, rows].set(x) if pool.ndim == 3 else pool.at[rows].set(x) for pool, x in zip(kv, new)]

@@ -620,9 +620,22 @@ class Attention(nn.Module):
   def _paged(self, q, k, v, segment, position, window, slopes, scale):
     """The serving engine's cache (`jaxformer.engine`): the history lies in a block pool (`pool_key`,
     `pool_value` [kv_heads * slots, head_dim]; `history_slots`, `history_segment`, `history_position`
-    [batch, L]); the new keys and values go back as `new_key`, `new_value` for the engine to write."""
+    [batch, L]); the new keys and values go back as `new_key`, `new_value` for the engine to write. With
+    `history_pages` [batch, L / block_size], `history_length` [batch] and `new_slots` [batch, 1] (TPU decode
+    steps), the layer writes them and hands back the pool."""
     cfg = self.cfg
     cache = lambda name: self.get_variable("cache", name)
+    if self.has_variable("cache", "history_pages"):
+      # A decode step on TPU (`paged.pallas_why_not`): the kernel reads only the pool, so the new token's key
+      # and value are written into it here, and the written pool goes back in their place.
+      pool_k = paged.write(cache("pool_key"), k, cache("new_slots"))
+      pool_v = paged.write(cache("pool_value"), v, cache("new_slots"))
+      self.put_variable("cache", "pool_key", pool_k)
+      self.put_variable("cache", "pool_value", pool_v)
+      pages = cache("history_pages")
+      return paged.pallas_attention(q, pool_k, pool_v, pages, cache("history_length"), k.shape[2],
+                                    cache("history_slots").shape[1] // pages.shape[1], softcap=cfg.attn_softcap,
+                                    scale=scale).astype(q.dtype)
     self.put_variable("cache", "new_key", k)
     self.put_variable("cache", "new_value", v)
     return paged_attention(q, k, v, cache("pool_key"), cache("pool_value"), cache("history_slots"),

@@ -127,6 +127,9 @@ class Server:
     self.m_free = prom.Gauge("jaxformer_kv_blocks_free", "KV blocks free or evictable", registry=r)
     self.m_hit = prom.Gauge("jaxformer_prefix_cache_hit_rate", "Prompt tokens read from the prefix cache / all",
                             registry=r)
+    self.m_preempted = prom.Counter("jaxformer_preemptions", "Running requests preempted (KV pool short)",
+                                    registry=r)
+    self._preemptions_seen = 0
     self.m_compiles = prom.Gauge("jaxformer_xla_compilations_since_start",
                                  "XLA programs compiled after the ready line", registry=r)
     prom.ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds (Linux)
@@ -150,6 +153,9 @@ class Server:
       self.m_used.set(e.pool.used())
       self.m_free.set(e.pool.available())
       self.m_hit.set(e.stats["cached_tokens"] / max(e.stats["prompt_tokens"], 1))
+      preempted = e.stats["preemptions"]   # read once: the engine's thread may add to it meanwhile
+      self.m_preempted.inc(preempted - self._preemptions_seen)
+      self._preemptions_seen = preempted
     self.m_compiles.set(engine_lib.compilations() - self.compilations_at_start)
     return prom.generate_latest(self.registry), prom.CONTENT_TYPE_LATEST
 

@@ -148,6 +148,37 @@ def test_eviction_under_a_small_pool():
   assert again.output == outs[0][1]
 
 
+@pytest.mark.parametrize("name", MODELS)
+def test_preemption_when_the_pool_runs_short(name):
+  """Blocks are taken as tokens arrive, so a 14-block pool runs 4 requests that would hold 6-7 blocks each at
+  their end; when it runs short the newest is preempted (its full blocks kept in the prefix cache), then
+  resumed where it stopped: every answer, greedy or sampled, is the one of an unhurried run, and nothing
+  compiles after warm-up."""
+  model, params = _setup(*MODELS[name])
+  eng = engine_lib.Engine(model, params, max_batch=4, kv_blocks=14, block_size=8, max_seq_len=64, prefill_chunk=16)
+  eng.warm_up()
+  compiled = engine_lib.compilations()
+  prompts = _prompts(model.cfg.vocab_size, [12, 20, 9, 17, 14], seed=4)
+  new = [36, 30, 40, 28, 34]
+  greedy = [eng.submit(p, engine_lib.SamplingParams(max_tokens=n)) for p, n in zip(prompts[:4], new)]
+  sampled_params = engine_lib.SamplingParams(max_tokens=new[4], temperature=0.8, top_k=5, seed=11)
+  sampled = eng.submit(prompts[4], sampled_params)
+  peak = 0
+  while eng.has_work():
+    eng.step()
+    peak = max(peak, eng.running())
+    assert eng.pool.used() <= eng.pool.num_blocks
+  assert engine_lib.compilations() == compiled
+  assert peak == 4                  # held for their whole length (6-7 blocks each), two at a time would fit
+  assert eng.stats["preemptions"] > 0 and eng.stats["resumed_cached_tokens"] > 0
+  assert sum(r.preemptions for r in greedy + [sampled]) == eng.stats["preemptions"]
+  assert eng.pool.used() == 0
+  expected = [row[:n] for row, n in zip(_reference(model, params, prompts[:4], max(new[:4])), new)]
+  assert [r.output for r in greedy] == expected
+  assert all(r.finish_reason == "length" for r in greedy + [sampled])
+  assert sampled.output == _reference(model, params, [prompts[4]], new[4], temperature=0.8, seed=11, top_k=5)[0]
+
+
 def test_cancel_frees_slot_and_blocks():
   """A cancelled request leaves at the next step: its slot goes to the waiting request, its blocks return."""
   model, params = _setup("gpt2_tiny")
@@ -157,7 +188,8 @@ def test_cancel_frees_slot_and_blocks():
   r2 = eng.submit(second, engine_lib.SamplingParams(max_tokens=5))
   for _ in range(3):
     eng.step()
-  assert eng.slots[0] is r1 and len(r1.output) == 4 and eng.pool.used() == 7   # ceil((10 + 40 - 1) / 8)
+  # Blocks are held as tokens arrive, not for the whole length (that would be ceil((10 + 40 - 1) / 8) = 7).
+  assert eng.slots[0] is r1 and len(r1.output) == 4 and eng.pool.used() == 2   # 13 tokens in, the 14th's block
   eng.cancel(r1)
   eng.step()
   assert r1.finish_reason == "cancelled" and r1.blocks == [] and eng.slots[0] is r2

@@ -10,6 +10,7 @@ from jaxformer import engine as engine_lib
 from jaxformer import layers
 from jaxformer import paged
 from jaxformer import qkernel
+from jaxformer.errors import UserError
 
 from test_engine import _prompts, _reference, _setup
 
@@ -123,3 +124,105 @@ def test_engine_serves_a_sliding_window_model(path, monkeypatch):
   expected = [row[:n] for row, n in zip(_reference(model, params, prompts, max(new)), new)]
   assert [r.output for r in requests] == expected
   engine_lib._step_program.cache_clear()
+
+
+PALLAS_MODEL = ("llama_tiny", ("model.d_model=256", "model.num_heads=2", "model.num_kv_heads=1"))  # head_dim 128
+_PALLAS_KERNEL = paged.pallas_attention
+
+
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
+def test_pallas_tpu_kernel_matches_numpy_in_the_interpreter(softcap, monkeypatch):
+  """JAX's Pallas TPU paged-attention kernel, run by Pallas' TPU interpreter on CPU through `paged.pallas_attention`:
+  each row reads the pages of its block table up to its length (1 key included), GQA, soft-capping, within 1e-5 of
+  a float64 brute force over the same keys and values rounded to bfloat16 (the kernel reads them so)."""
+  monkeypatch.setenv("JAXFORMER_PAGED", "pallas-interpret")
+  rng = np.random.default_rng(5)
+  rows, heads, kv_heads, d, blocks, bs, width = 4, 4, 2, 16, 12, 8, 4
+  q = rng.normal(size=(rows, 1, heads, d)).astype(np.float32)
+  pool_k, pool_v = (rng.normal(size=(kv_heads * blocks * bs, d)).astype(np.float32) for _ in range(2))
+  pages = np.stack([rng.permutation(np.arange(1, blocks))[:width] for _ in range(rows)]).astype(np.int32)
+  lengths = np.array([1, 13, 32, 20], np.int32)
+  got = np.asarray(jax.jit(lambda *a: paged.pallas_attention(*a, kv_heads, bs, softcap=softcap, scale=0.3))(
+      q, pool_k, pool_v, pages, lengths))
+  bf16 = lambda x: np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), np.float64)
+  for r in range(rows):
+    slots = [pages[r, p // bs] * bs + p % bs for p in range(lengths[r])]
+    for h in range(heads):
+      g = h // (heads // kv_heads)
+      keys, values = bf16(pool_k[g * blocks * bs + np.array(slots)]), bf16(pool_v[g * blocks * bs + np.array(slots)])
+      logits = keys @ (q[r, 0, h].astype(np.float64) * 0.3)
+      if softcap:
+        logits = softcap * np.tanh(logits / softcap)
+      w = np.exp(logits - logits.max())
+      np.testing.assert_allclose(got[r, 0, h], w @ values / w.sum(), atol=1e-5, rtol=1e-5)
+
+
+def _pallas_reference(q, pool_k, pool_v, pages, lengths, kv_heads, block_size, *, softcap=0.0, scale=None):
+  """What `paged.pallas_attention` computes, in plain jnp at float32 "highest" precision: each row's first
+  `lengths` keys of its block table (no rounding of the keys and values)."""
+  rows, _, heads, d = q.shape
+  p = jnp.arange(pages.shape[1] * block_size)
+  rows_of = (pages[:, p // block_size] * block_size + p % block_size)[..., None] + jnp.arange(kv_heads) * (
+      pool_k.shape[0] // kv_heads)                                                    # [rows, L, kv_heads]
+  keys, values = pool_k[rows_of].astype(jnp.float32), pool_v[rows_of].astype(jnp.float32)
+  qg = q[:, 0].astype(jnp.float32).reshape(rows, kv_heads, heads // kv_heads, d) * (d ** -0.5 if scale is None else scale)
+  logits = jnp.einsum("rkgd,rlkd->rkgl", qg, keys, precision="highest")
+  if softcap:
+    logits = softcap * jnp.tanh(logits / softcap)
+  weights = jax.nn.softmax(jnp.where(p < lengths[:, None, None, None], logits, -1e30), -1)
+  return jnp.einsum("rkgl,rlkd->rkgd", weights, values, precision="highest").reshape(rows, 1, heads, d)
+
+
+def _serve_decoding_by(model, params, attention, monkeypatch):
+  """The engine's greedy tokens (4 requests, prompts past a block) with `attention` in `paged.pallas_attention`'s
+  place (None: the kernel itself), each layer's calls recorded; nothing compiles after warm-up."""
+  calls = []
+  real = attention or _PALLAS_KERNEL
+  monkeypatch.setattr(paged, "pallas_attention", lambda *a, **k: calls.append(a[3].shape) or real(*a, **k))
+  engine_lib._step_program.cache_clear()   # the program is traced again under this path
+  eng = engine_lib.Engine(model, params, max_batch=3, block_size=8, max_seq_len=48, prefill_chunk=16)
+  assert eng.pallas_fallback is None and eng.paged_fallback == "JAXFORMER_PAGED=pallas-interpret"
+  eng.warm_up()
+  # Traced once per layer for each decode width: block tables of 4 and 6 blocks (the new token's included).
+  assert sorted(set(calls)) == [(3, w) for w in eng.history_buckets] and len(calls) == 2 * len(eng.history_buckets)
+  compiled = engine_lib.compilations()
+  prompts = _prompts(model.cfg.vocab_size, (3, 14, 25, 9), seed=6)
+  requests = [eng.submit(p, engine_lib.SamplingParams(max_tokens=n)) for p, n in zip(prompts, (10, 7, 12, 5))]
+  eng.run_until_done()
+  assert engine_lib.compilations() == compiled and eng.pool.used() == 0
+  engine_lib._step_program.cache_clear()
+  return prompts, [r.output for r in requests]
+
+
+def test_engine_decodes_through_the_pallas_kernel_in_the_interpreter(monkeypatch):
+  """The engine as it runs on a TPU (JAXFORMER_PAGED=pallas-interpret: prefill by the gather path, decode steps by
+  the Pallas kernel, which reads the new token's key and value from the pool the layer wrote them to).
+  The plumbing (block tables, lengths, the write before the read, the written pool handed back) is exact: with a
+  float32 reference in the kernel's place, a float32 model's greedy tokens equal decode.generate's. The kernel
+  reads keys and values as bfloat16 (a float32 pool is refused: with its rounding the first request's 9th token
+  differed from generate's here), so it serves bfloat16 pools; there its tokens equal the reference's."""
+  monkeypatch.setenv("JAXFORMER_PAGED", "pallas-interpret")
+  model, params = _setup(*PALLAS_MODEL)
+  assert "reads keys and values as bfloat16" in engine_lib.Engine(model, params, max_seq_len=16).pallas_fallback
+  monkeypatch.setattr(paged, "pallas_why_not", lambda *a, **k: None)
+  prompts, tokens = _serve_decoding_by(model, params, _pallas_reference, monkeypatch)
+  assert tokens == [row[:len(t)] for row, t in zip(_reference(model, params, prompts, 12), tokens)]
+  monkeypatch.undo()
+  monkeypatch.setenv("JAXFORMER_PAGED", "pallas-interpret")
+  model, params = _setup(PALLAS_MODEL[0], PALLAS_MODEL[1] + ("model.dtype=bfloat16",))
+  assert _serve_decoding_by(model, params, None, monkeypatch)[1] == _serve_decoding_by(
+      model, params, _pallas_reference, monkeypatch)[1]
+
+
+def test_the_tpu_decode_step_lowers_to_the_mosaic_kernel():
+  """`aot.lower_engine_decode` lowers the engine's decode step for platform "tpu" from this CPU host: each layer's
+  attention is a Mosaic kernel (tpu_custom_call); a model whose head_dim the kernel's blocks refuse is refused in
+  one line. (Compiled by libtpu: `benchmarks/aot_compile.py --serve-decode`, BENCHMARKS.md.)"""
+  from jaxformer import aot  # pylint: disable=g-import-not-at-top
+  from jaxformer.config import load_config  # pylint: disable=g-import-not-at-top
+  cfg = load_config(PALLAS_MODEL[0], [*PALLAS_MODEL[1], "model.dtype=bfloat16"])
+  lowered, _ = aot.lower_engine_decode(cfg, slots=4, context=64, block_size=16)
+  text = lowered.as_text()
+  assert "tpu_custom_call" in text and "paged_flash_attention" in text
+  with pytest.raises(UserError, match="head_dim 8 is not a multiple of 128"):
+    aot.lower_engine_decode(load_config("gpt2_tiny", ["model.dtype=bfloat16"]), slots=4, context=64)

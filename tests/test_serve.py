@@ -253,7 +253,8 @@ def test_models_health_metrics_and_no_compilation(server):
   text = httpx.get(url[:-3] + "/metrics").text
   for name in ("jaxformer_requests_total", "jaxformer_time_to_first_token_seconds_bucket",
                "jaxformer_time_per_output_token_seconds_count", "jaxformer_kv_blocks_used", "jaxformer_kv_blocks_free",
-               "jaxformer_requests_running", "jaxformer_requests_waiting", "jaxformer_prompt_tokens_total"):
+               "jaxformer_requests_running", "jaxformer_requests_waiting", "jaxformer_prompt_tokens_total",
+               "jaxformer_preemptions_total"):
     assert re.search(rf"^{name}", text, re.M), name
   assert re.search(r"^jaxformer_xla_compilations_since_start 0\.0$", text, re.M)
 
