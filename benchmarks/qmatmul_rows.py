@@ -3,8 +3,10 @@
     python benchmarks/qmatmul_rows.py [--k 768 --n 3072] [--rows 1,8,16,32,64,128]
 
 One [rows, K] x [K, N] product (default: GPT-2 124M's FFN input projection), jitted, medians of 10
-calls after a compiling one; int8 per channel and int4 group 128 (`jaxformer.qmatmul`). Sets where
-`qmatmul.KERNEL_MAX_ROWS` hands over to the XLA path.
+calls after a compiling one; int8 per channel, int4 group 128 and float32 output-major (the serving
+engine's layout; `jaxformer.qmatmul`), each through the kernel (`qkernel.call`, whatever the rows: from
+JF_GEMM_ROWS rows on, its blocked product) and the XLA path. Sets where `qmatmul.KERNEL_MAX_ROWS` hands
+over to the XLA path.
 """
 
 import argparse
@@ -41,7 +43,8 @@ def main(argv=None):
   print(f"CPU kernel: {qkernel.unavailable() or 'built'} | [rows, {args.k}] x [{args.k}, {args.n}]")
   rng = np.random.default_rng(0)
   w = rng.standard_normal((args.k, args.n)).astype(np.float32)
-  quantized = {8: qmatmul.quantize_int8(w), 4: qmatmul.quantize_int4(w, 128)}
+  quantized = {8: qmatmul.quantize_int8(w), 4: qmatmul.quantize_int4(w, 128),
+               32: (np.ascontiguousarray(w.T), np.ones(args.n, np.float32))}   # float32 output-major (serving)
   for m in (int(r) for r in args.rows.split(",")):
     x = rng.standard_normal((m, args.k)).astype(np.float32)
     tf = timed(jax.jit(lambda x, w: x @ w), x, jnp.asarray(w))
@@ -49,7 +52,7 @@ def main(argv=None):
     for bits, (q, s) in quantized.items():
       q, s = jnp.asarray(q), jnp.asarray(s)
       tk, tx = timed(jax.jit(qkernel.call), x, q, s), timed(jax.jit(qmatmul.xla_matmul), x, q, s)
-      row.append(f"int{bits} kernel {tk / tf:.2f}x, XLA path {tx / tf:.2f}x")
+      row.append(f"{'float32 output-major' if bits == 32 else f'int{bits}'} kernel {tk / tf:.2f}x, XLA path {tx / tf:.2f}x")
     print(" | ".join(row), flush=True)
 
 

@@ -88,6 +88,7 @@ def _register(path):
   for bits, name in TARGETS.items():
     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handlers[bits]), platform="cpu")
   jax.ffi.register_ffi_target(PAGED_TARGET, jax.ffi.pycapsule(lib.JfPagedAttention), platform="cpu")
+  _STATE["gemm_rows"] = int(lib.JfQmatmulGemmRows())
 
 
 def _load():
@@ -111,6 +112,12 @@ def _load():
   _STATE["source"] = "cache"
   _LOG.debug("quantized matmul: the C++ kernel built on first use (%s)", path)
   return None
+
+
+def gemm_rows():
+  """Rows from which the kernel runs its blocked product (prefill: each weight converted once, then multiplied
+  from cache against every row; AVX-512 builds), or None (no kernel, or a build without it)."""
+  return None if unavailable() else (_STATE.get("gemm_rows") or None)
 
 
 def bits_of(q):

@@ -10,11 +10,12 @@ kernel flattened to w [K, N] (K = fan-in, N = fan-out) becomes
   group of `group` consecutive inputs of an output (s = max |w| over the group / 7, values -7..7).
 - float32 ("bits 32", not a quantization): `qkernel` float32 [N, K] = w^T, `qscale` ones [N]. The
   serving engine lays a float model's weights out so (`output_major`) on CPU, where the kernel
-  streams each output's weights once for all of a step's rows (up to KERNEL_MAX_ROWS[32]).
+  streams each output's weights once for all of a decode step's rows (prompt chunks: its blocked product).
 
 `matmul` is the product the Dense layers and MoE experts run on them: on CPU a C++ kernel
-(jaxformer/csrc, `jax.ffi`) for up to `KERNEL_MAX_ROWS` rows when it could be built, else the XLA
-path (the int8/int4 weights converted inside the `dot_general`, which TPU/GPU compilers fuse),
+(jaxformer/csrc, `jax.ffi`) when it could be built, for any number of rows where it has its blocked
+product for prefill (AVX-512 builds, `qkernel.gemm_rows`), else for up to `KERNEL_MAX_ROWS`; otherwise
+the XLA path (the int8/int4 weights converted inside the `dot_general`, which TPU/GPU compilers fuse),
 logged once with the reason. Float models reach it only through the serving engine's
 output-major layout (`output_major`); their training, eval and generate programs are unchanged.
 """
@@ -32,7 +33,8 @@ from jaxformer import qkernel
 from jaxformer.errors import UserError
 
 QUANT_PARAMS = ("qkernel", "qscale")
-# Rows up to which the CPU kernel runs, by bits; above, the XLA path (prefill). `benchmarks/qmatmul_rows.py`
+# Rows up to which a CPU kernel without the blocked product (AVX2 or scalar builds) runs, by bits; above, the XLA
+# path (prefill). With it (AVX-512) the kernel takes every call. Measured before the blocked product: `benchmarks/qmatmul_rows.py`
 # on GPT-2's [rows, 768] x [768, 3072] (weights in cache): int8 kernel 0.5-0.6x float32's time to 32 rows,
 # 0.7-1.0x at 64-128, 1.2x at 256 (XLA path 1.1-1.25x at 128-256); int4 0.6x at 32, 1.2-1.5x from 64,
 # where the XLA path (the weights dequantized, then XLA's float32 GEMM) does as well or better.
@@ -113,14 +115,19 @@ def _log_once(key, line):
     logging.getLogger(__name__).warning(line)
 
 
+def kernel_max_rows(bits):
+  """The most rows a product of this scheme takes the C++ kernel for: any number where the kernel has its blocked
+  product for prefill (`qkernel.gemm_rows`), else KERNEL_MAX_ROWS[bits] (the streaming kernel's range)."""
+  return float("inf") if qkernel.gemm_rows() else KERNEL_MAX_ROWS[bits]
+
+
 def matmul(x, q, scale):
   """x [M, K] (float) times the quantized kernel -> [M, N] float32: the one quantized product.
 
-  On CPU with at most KERNEL_MAX_ROWS[bits] rows (decode), float32 activations and the kernel built,
-  the C++ kernel; otherwise the XLA path (`xla_matmul`). Why the XLA path runs on CPU is logged
-  once per reason."""
+  On CPU with at most `kernel_max_rows(bits)` rows, float32 activations and the kernel built, the C++
+  kernel; otherwise the XLA path (`xla_matmul`). Why the XLA path runs on CPU is logged once per reason."""
   rows = x.shape[0]
-  limit = KERNEL_MAX_ROWS[bits_of(q)]
+  limit = kernel_max_rows(bits_of(q))
   why = None
   if rows > limit:
     why = None  # prefill: the XLA path by design, not a fallback

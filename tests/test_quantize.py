@@ -84,7 +84,11 @@ def _layout(w, bits, group=0):
                                               (1, 96, 7, 4, 32), (5, 130, 9, 4, 130), (8, 64, 41, 4, 8),
                                               (2, 6, 3, 4, 6), (1, 768, 701, 8, 0), (20, 1024, 603, 4, 128),
                                               (1, 768, 130, 32, 0), (7, 37, 13, 32, 0), (16, 257, 5, 32, 0),
-                                              (32, 1024, 603, 32, 0), (2, 3, 1, 32, 0)])
+                                              (32, 1024, 603, 32, 0), (2, 3, 1, 32, 0),
+                                              # prefill rows: the blocked product (panels of 32 rows, tiles of 12)
+                                              (48, 768, 130, 8, 0), (130, 257, 29, 8, 0), (64, 96, 7, 4, 32),
+                                              (100, 130, 9, 4, 130), (77, 1024, 603, 4, 128), (48, 37, 13, 32, 0),
+                                              (144, 768, 300, 32, 0), (150, 4096, 37, 8, 0)])   # 3 row blocks of 64
 def test_cpu_kernel_matches_xla_path(m, k, n, bits, group):
   reason = qkernel.unavailable()
   if reason:
@@ -100,7 +104,8 @@ def test_cpu_kernel_matches_xla_path(m, k, n, bits, group):
     np.testing.assert_array_equal(dense, w.T)  # the float layout is w^T itself
   _close(kernel, xla, x, dense)
   _close(kernel, x.astype(np.float64) @ dense.T.astype(np.float64), x, dense)
-  assert qkernel.TARGETS[bits] in jax.jit(qmatmul.matmul).lower(x, q, s).as_text()  # decode rows take the kernel
+  # the kernel up to KERNEL_MAX_ROWS rows, XLA's dot above
+  assert (qkernel.TARGETS[bits] in jax.jit(qmatmul.matmul).lower(x, q, s).as_text()) == (m <= qmatmul.kernel_max_rows(bits))
 
 
 @pytest.mark.parametrize("k,n", [(768, 300), (37, 13), (3072, 70)])

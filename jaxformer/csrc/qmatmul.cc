@@ -42,6 +42,15 @@ constexpr int64_t kRowBlock = 4;  // activation rows per pass over a weight row 
 #define JF_AHEAD 2
 #endif
 constexpr int64_t kAhead = JF_AHEAD;
+// Calls of at least this many rows take the blocked product (`GemmOutputs`, AVX-512 builds); int4's streaming
+// loop keeps two partial sums per (row, output), so it hands over sooner. By `benchmarks/qmatmul_rows.py`.
+#ifndef JF_GEMM_ROWS
+#define JF_GEMM_ROWS 33
+#endif
+#ifndef JF_GEMM_ROWS_INT4
+#define JF_GEMM_ROWS_INT4 16
+#endif
+constexpr int64_t kGemmRows = JF_GEMM_ROWS, kGemmRowsInt4 = JF_GEMM_ROWS_INT4;
 
 #ifdef JF_AVX2
 inline float Sum8(__m256 v) {
@@ -262,6 +271,181 @@ void F32Outputs(const float* x, const float* w, const float* s, float* y, int64_
   }
 }
 
+// ---------------------------------------------------------------------------------------------------
+// Many rows (prefill): a blocked product in the outer-product form, so each weight is converted once per
+// call and then serves every row from cache. The rows are packed k-major in panels of 32 ([K][32], zero
+// rows past M); a tile of 12 outputs' weights, converted to float32 with their scales (int8, int4) or copied
+// (float32), is broadcast one k at a time against a panel's two 16-lane vectors: 24 accumulators, each a
+// (row, output) pair summed over k in order. No transposition of the weights: their rows are read along k
+// as stored, each broadcast a load of its own. int4's rows are converted with the even inputs first,
+// then the odd ones (the nibbles as they lie), and the panels' k follow the same order. AVX-512 only.
+#if defined(__AVX512F__)
+constexpr int kTileOut = 12;   // outputs per tile (broadcast)
+constexpr int kPanel = 32;     // rows per panel (two vectors)
+constexpr int64_t kBlockBytes = 1 << 20;  // packed rows per block: 1 MiB (half this CPU's 2 MiB L2 per core)
+
+// dst[i][j] = src[j][i] for a 16 x 16 block (row strides ss, ds).
+inline void Transpose16(const float* src, int64_t ss, float* dst, int64_t ds) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * ss);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + i * ds, r[i]);
+}
+
+// x [M, K] -> panels [ceil(M / 32)][K][32] (rows past M zero), split over the workers by panel; evens_first:
+// k in the order 0, 2, 4, ..., 1, 3, 5, ... (int4). Full 16 x 16 blocks are transposed in registers.
+std::vector<float> PackRows(const float* x, int64_t M, int64_t K, bool evens_first) {
+  const int64_t panels = (M + kPanel - 1) / kPanel, half = K / 2;
+  std::vector<float> out(panels * K * kPanel), reordered;
+  if (evens_first) {
+    reordered.resize(M * K);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t j = 0; j < half; ++j) {
+        reordered[m * K + j] = x[m * K + 2 * j];
+        reordered[m * K + half + j] = x[m * K + 2 * j + 1];
+      }
+    x = reordered.data();
+  }
+  ParallelFor(panels, M * K * 4, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t g = 0; g < kPanel; g += 16) {
+        const int64_t m0 = p * kPanel + g;
+        float* o = out.data() + p * K * kPanel + g;
+        int64_t k = 0;
+        if (m0 + 16 <= M)
+          for (; k + 16 <= K; k += 16) Transpose16(x + m0 * K + k, K, o + k * kPanel, kPanel);
+        for (; k < K; ++k)
+          for (int64_t r = 0; r < 16; ++r) o[k * kPanel + r] = m0 + r < M ? x[(m0 + r) * K + k] : 0.0f;
+      }
+  }, 1);
+  return out;
+}
+
+// y[m0 + r, n0 + i] for r < 16 NV (rows < M), i < MR = sum_k w[i * ws + k] * panel[k][r]; NV = 1 for a last
+// panel of at most 16 rows (its zero half not computed).
+template <int MR, int NV>
+void GemmTile(const float* w, int64_t ws, const float* panel, int64_t K, float* y, int64_t M, int64_t N,
+              int64_t m0, int64_t n0, const float* scale) {
+  __m512 acc[MR][NV];
+#pragma GCC unroll 12
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 x[NV];
+    for (int v = 0; v < NV; ++v) x[v] = _mm512_loadu_ps(panel + k * kPanel + 16 * v);
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; ++i) {
+      const __m512 b = _mm512_set1_ps(w[i * ws + k]);
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(b, x[v], acc[i][v]);
+    }
+  }
+  alignas(64) float tile[MR][kPanel];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) _mm512_store_ps(tile[i] + 16 * v, acc[i][v]);
+  const int64_t rows = std::min<int64_t>(kPanel, M - m0);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int i = 0; i < MR; ++i) y[(m0 + r) * N + n0 + i] = scale ? tile[i][r] * scale[n0 + i] : tile[i][r];
+}
+
+template <int MR>
+void GemmPanels(const float* w, int64_t ws, const float* packed, int64_t M, int64_t K, int64_t N, float* y,
+                int64_t n0, const float* scale) {
+  for (int64_t m0 = 0; m0 < M; m0 += kPanel) {
+    const float* panel = packed + (m0 / kPanel) * K * kPanel;
+    if (M - m0 <= 16)
+      GemmTile<MR, 1>(w, ws, panel, K, y, M, N, m0, n0, scale);
+    else
+      GemmTile<MR, 2>(w, ws, panel, K, y, M, N, m0, n0, scale);
+  }
+}
+
+// Outputs [n0, n1) over all rows; convert(n, mr, buf, ws) fills buf [mr][ws] with outputs n .. n + mr - 1 as
+// float32 (with their scales, or a float32 copy whose per-output `scale` then multiplies the sums; nullptr:
+// none). The rows of buf are K + 16 floats apart: at K = 3072 (or any multiple of 1024) rows K apart all map to
+// one L1 set, and the 12 broadcast streams evicted each other (GPT-2's [., 3072] x [3072, 768] ran ~1.3x slower).
+// Rows go in blocks of kBlockRows so a block's panels stay in L2 while every tile of outputs passes over them
+// (each tile converted once per block).
+template <typename Convert>
+void GemmOutputs(const float* packed, int64_t M, int64_t K, int64_t N, float* y, int64_t n0, int64_t n1,
+                 Convert convert, const float* scale = nullptr) {
+  const int64_t ws = K + 16;
+  std::vector<float> buf(kTileOut * ws);
+  const int64_t block = std::max<int64_t>(kPanel, (kBlockBytes / (K * 4)) / kPanel * kPanel);
+  for (int64_t mb = 0; mb < M; mb += block)
+  for (int64_t n = n0; n < n1; n += kTileOut) {
+    const int mr = static_cast<int>(std::min<int64_t>(kTileOut, n1 - n));
+    convert(n, mr, buf.data(), ws);
+    const float* w = buf.data();
+    const float* rows = packed + mb * K;
+    const int64_t mrows = std::min(M, mb + block) - mb;
+    float* out = y + mb * N;
+    switch (mr) {
+      case 12: GemmPanels<12>(w, ws, rows, mrows, K, N, out, n, scale); break;
+      case 11: GemmPanels<11>(w, ws, rows, mrows, K, N, out, n, scale); break;
+      case 10: GemmPanels<10>(w, ws, rows, mrows, K, N, out, n, scale); break;
+      case 9: GemmPanels<9>(w, ws, rows, mrows, K, N, out, n, scale); break;
+      case 8: GemmPanels<8>(w, ws, rows, mrows, K, N, out, n, scale); break;
+      case 7: GemmPanels<7>(w, ws, rows, mrows, K, N, out, n, scale); break;
+      case 6: GemmPanels<6>(w, ws, rows, mrows, K, N, out, n, scale); break;
+      case 5: GemmPanels<5>(w, ws, rows, mrows, K, N, out, n, scale); break;
+      case 4: GemmPanels<4>(w, ws, rows, mrows, K, N, out, n, scale); break;
+      case 3: GemmPanels<3>(w, ws, rows, mrows, K, N, out, n, scale); break;
+      case 2: GemmPanels<2>(w, ws, rows, mrows, K, N, out, n, scale); break;
+      default: GemmPanels<1>(w, ws, rows, mrows, K, N, out, n, scale); break;
+    }
+  }
+}
+
+// int8 row n (K bytes) times its scale -> K floats.
+inline void ConvertInt8(const int8_t* q, float s, int64_t K, float* out) {
+  const __m512 sv = _mm512_set1_ps(s);
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16)
+    _mm512_storeu_ps(out + k, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k)))), sv));
+  for (; k < K; ++k) out[k] = static_cast<float>(q[k]) * s;
+}
+
+// int4 row n (K / 2 bytes, even k low) with its group scales s [groups] -> K floats, evens first.
+inline void ConvertInt4(const uint8_t* q, const float* s, int64_t K, int64_t groups, float* out) {
+  const int64_t half = K / 2, gh = half / groups;  // bytes per group
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m512 sv = _mm512_set1_ps(s[g]);
+    int64_t j = g * gh;
+    for (; j + 16 <= (g + 1) * gh; j += 16) {
+      const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j)));
+      const __m512i lo = _mm512_srai_epi32(_mm512_slli_epi32(v, 28), 28), hi = _mm512_srai_epi32(v, 4);
+      _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_cvtepi32_ps(lo), sv));
+      _mm512_storeu_ps(out + half + j, _mm512_mul_ps(_mm512_cvtepi32_ps(hi), sv));
+    }
+    for (; j < (g + 1) * gh; ++j) {
+      const int8_t v = static_cast<int8_t>(q[j]);
+      out[j] = static_cast<float>(static_cast<int8_t>(v << 4) >> 4) * s[g];
+      out[half + j] = static_cast<float>(v >> 4) * s[g];
+    }
+  }
+}
+#endif
+
 // Rows [m, m + rows) (rows <= kRowBlock) of outputs [n0, n1): the tile shape for that many rows.
 #define JF_DISPATCH(rows, FN, ...)      \
   switch (rows) {                       \
@@ -288,6 +472,17 @@ ffi::Error Int8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
   const int8_t* qp = q.typed_data();
   const float* sp = s.typed_data();
   float* yp = y->typed_data();
+#if defined(__AVX512F__)
+  if (M >= kGemmRows) {
+    const std::vector<float> packed = PackRows(xp, M, K, false);
+    ParallelFor(N, N * K, [&](int64_t n0, int64_t n1) {
+      GemmOutputs(packed.data(), M, K, N, yp, n0, n1, [&](int64_t n, int mr, float* buf, int64_t ws) {
+        for (int i = 0; i < mr; ++i) ConvertInt8(qp + (n + i) * K, sp[n + i], K, buf + i * ws);
+      });
+    });
+    return ffi::Error::Success();
+  }
+#endif
   ParallelFor(N, N * K, [&](int64_t n0, int64_t n1) {
     for (int64_t m = 0; m < M; m += kRowBlock) JF_DISPATCH(std::min(kRowBlock, M - m), Int8Rows, xp, qp, sp, yp, m, K, N, n0, n1)
   });
@@ -302,8 +497,22 @@ ffi::Error Int4Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q,
   if (K % 2 || q.dimensions()[1] != K / 2 || s.dimensions()[0] != N || groups < 1 || (K / 2) % groups)
     return ffi::Error::InvalidArgument("qmatmul int4: shapes do not match x [M, K], q [N, K/2], s [N, K/g]");
   const int64_t half = K / 2;
-  std::vector<float> xe(M * half), xo(M * half);
   const float* xp = x.typed_data();
+#if defined(__AVX512F__)
+  if (M >= kGemmRowsInt4) {
+    const uint8_t* qp = q.typed_data();
+    const float* sp = s.typed_data();
+    float* yp = y->typed_data();
+    const std::vector<float> packed = PackRows(xp, M, K, true);
+    ParallelFor(N, N * half, [&](int64_t n0, int64_t n1) {
+      GemmOutputs(packed.data(), M, K, N, yp, n0, n1, [&](int64_t n, int mr, float* buf, int64_t ws) {
+        for (int i = 0; i < mr; ++i) ConvertInt4(qp + (n + i) * half, sp + (n + i) * groups, K, groups, buf + i * ws);
+      });
+    });
+    return ffi::Error::Success();
+  }
+#endif
+  std::vector<float> xe(M * half), xo(M * half);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t j = 0; j < half; ++j) {
       xe[m * half + j] = xp[m * K + 2 * j];
@@ -326,6 +535,17 @@ ffi::Error F32Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
     return ffi::Error::InvalidArgument("matmul f32: shapes do not match x [M, K], w [N, K], s [N]");
   const float *xp = x.typed_data(), *wp = w.typed_data(), *sp = s.typed_data();
   float* yp = y->typed_data();
+#if defined(__AVX512F__)
+  if (M >= kGemmRows) {  // the weights copied as they are, the scale applied to the sums
+    const std::vector<float> packed = PackRows(xp, M, K, false);
+    ParallelFor(N, N * K * 4, [&](int64_t n0, int64_t n1) {
+      GemmOutputs(packed.data(), M, K, N, yp, n0, n1, [&](int64_t n, int mr, float* buf, int64_t ws) {
+        for (int i = 0; i < mr; ++i) std::copy(wp + (n + i) * K, wp + (n + i + 1) * K, buf + i * ws);
+      }, sp);
+    });
+    return ffi::Error::Success();
+  }
+#endif
   ParallelFor(N, N * K * 4, [&](int64_t n0, int64_t n1) { F32Outputs<4>(xp, wp, sp, yp, M, K, N, n0, n1); });
   return ffi::Error::Success();
 }
@@ -352,6 +572,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JfMatmulF32, F32Impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+// Rows from which a call takes the blocked product (0: not in this build: AVX-512 only); `jaxformer.qkernel` reads it.
+extern "C" int JfQmatmulGemmRows() {
+#if defined(__AVX512F__)
+  return static_cast<int>(std::min(kGemmRows, kGemmRowsInt4));
+#else
+  return 0;
+#endif
+}
 
 extern "C" int JfQmatmulHasAvx2() {
 #ifdef JF_AVX2
