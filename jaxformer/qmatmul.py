@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxformer import qkernel
+from jaxformer import qpallas
 from jaxformer.errors import UserError
 
 QUANT_PARAMS = ("qkernel", "qscale")
@@ -125,8 +126,12 @@ def matmul(x, q, scale):
   """x [M, K] (float) times the quantized kernel -> [M, N] float32: the one quantized product.
 
   On CPU with at most `kernel_max_rows(bits)` rows, float32 activations and the kernel built, the C++
-  kernel; otherwise the XLA path (`xla_matmul`). Why the XLA path runs on CPU is logged once per reason."""
+  kernel; otherwise the XLA path (`xla_matmul`), except int4 on TPU where `qpallas.blocks` fits: its Pallas
+  kernel. Why the XLA path runs on CPU is logged once per reason."""
   rows = x.shape[0]
+  xla = xla_matmul
+  if bits_of(q) == 4 and qpallas.blocks(rows, q.shape, scale.shape):  # on TPU, the Pallas int4 kernel
+    xla = lambda x, q, scale: jax.lax.platform_dependent(x, q, scale, tpu=qpallas.int4_matmul, default=xla_matmul)
   limit = kernel_max_rows(bits_of(q))
   why = None
   if rows > limit:
@@ -136,10 +141,10 @@ def matmul(x, q, scale):
   else:
     why = qkernel.unavailable()
   if rows > limit or why is not None:
-    if why is not None:
+    if why is not None and jax.default_backend() == "cpu":
       _log_once(why, f"quantized matmul: XLA path on CPU ({why})")
-    return xla_matmul(x, q, scale)
-  return jax.lax.platform_dependent(x, q, scale, cpu=qkernel.call, default=xla_matmul)
+    return xla(x, q, scale)
+  return jax.lax.platform_dependent(x, q, scale, cpu=qkernel.call, default=xla)
 
 
 def quantized_shapes(k, n, bits, group):

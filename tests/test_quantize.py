@@ -353,3 +353,34 @@ def test_compile_decode_step_argument_bytes():
     assert predicted["tables"] <= 0.27 * as_float(True)     # the int8 tables (embeddings, output layer)
   with pytest.raises(UserError, match="decoder-only"):
     aot.compile_decode_step(config_lib.load_config("tiny_encdec"), jax.devices()[:1], 1, 8)
+
+
+@pytest.mark.parametrize("m,k,n,group", [(1, 4096, 512, 128), (3, 2048, 1024, 128), (17, 1024, 256, 64)])
+def test_pallas_int4_kernel_matches_the_xla_path_in_the_interpreter(m, k, n, group):
+  """The TPU int4 kernel (`jaxformer.qpallas`), run by Pallas' TPU interpreter on CPU: within 1e-5 of a float64
+  product with the dequantized weights and of the XLA path, for decode and short-prefill rows and 8-group blocks of
+  64- and 32-byte groups (outputs in blocks of 512 and 256)."""
+  from jaxformer import qpallas  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(m + k + n)
+  q, s = qmatmul.quantize_int4(rng.standard_normal((k, n)).astype(np.float32), group)
+  x = rng.standard_normal((m, k)).astype(np.float32)
+  assert qpallas.blocks(m, q.shape, s.shape) == (512 if n % 512 == 0 else 256, 8)
+  got = qpallas.int4_matmul(jnp.asarray(x), jnp.asarray(q), jnp.asarray(s), interpret=True)
+  dense = np.asarray(qmatmul.dequantize(jnp.asarray(q), jnp.asarray(s)))
+  _close(got, x.astype(np.float64) @ dense.T.astype(np.float64), x, dense)
+  _close(got, qmatmul.xla_matmul(x, q, s), x, dense)
+
+
+def test_int4_products_lower_to_the_pallas_kernel_for_tpu():
+  """`qmatmul.matmul` lowered for platform "tpu" from this host holds the Mosaic kernel where `qpallas.blocks` fits
+  (a [4, 4096] x int4 [4096, 1024] product) and not where it does not (1,000 outputs: no block of 128 divides
+  them; 600 rows: past qpallas.MAX_ROWS); lowered for CPU it never does."""
+  from jaxformer import qpallas  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  for rows, n, fits in ((4, 1024, True), (4, 1000, False), (600, 1024, False)):
+    q, s = qmatmul.quantize_int4(rng.standard_normal((4096, n)).astype(np.float32), 128)
+    x = jnp.ones((rows, 4096), jnp.bfloat16)
+    assert (qpallas.blocks(rows, q.shape, s.shape) is not None) == fits
+    tpu = jax.jit(qmatmul.matmul).trace(x, q, s).lower(lowering_platforms=("tpu",)).as_text()
+    assert ("tpu_custom_call" in tpu) == fits, (rows, n)
+    assert "tpu_custom_call" not in jax.jit(qmatmul.matmul).lower(x, q, s).as_text()
