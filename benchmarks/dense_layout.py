@@ -66,6 +66,9 @@ def _in_out_run(x, w, emb):
   return _gpt2(x, w, emb, _dot(False), _dot(True))
 
 
+ROWS = [1, 4, 8, 16, 24, 32, 48, 64]
+
+
 def kernel():
   """The same products through `qmatmul.matmul` on the engine's float32 output-major layout (the C++ kernel up to
   KERNEL_MAX_ROWS[32] rows) against XLA's dot on the model's [in, out] kernels."""
@@ -76,11 +79,11 @@ def kernel():
   layout = [(jnp.asarray(np.asarray(w).T.copy()), jnp.ones((w.shape[1],), jnp.float32)) for w in w_in_out]
   head = (emb, jnp.ones((emb.shape[0],), jnp.float32))
   ours = lambda x, w, e: _gpt2(x, w, e, lambda a, b: qmatmul.matmul(a, *b))
-  for rows in (1, 4, 8, 16, 24, 32, 48, 64):
+  for rows in ROWS:
     x = jnp.full((rows, 768), 0.1, jnp.float32)
     print(f"{rows:3d} rows: XLA, weights [in, out] {median_ms(_in_out_run, x, w_in_out, emb, n=10):6.1f} ms; "
           f"float32 output-major through qmatmul.matmul {median_ms(ours, x, layout, head, n=10):6.1f} ms"
-          f"{' (the kernel)' if rows <= qmatmul.KERNEL_MAX_ROWS[32] else ' (XLA)'}", flush=True)
+          f"{' (the kernel)' if rows <= qmatmul.kernel_max_rows(32) else ' (XLA)'}", flush=True)
 
 
 def engine(workdir):
@@ -128,8 +131,10 @@ def engine(workdir):
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("mode", choices=["products", "kernel", "engine"])
+  parser.add_argument("--rows", default="1,4,8,16,24,32,48,64", help="kernel: the row counts")
   parser.add_argument("--workdir", default="/tmp/gpt2_small_random")
   args = parser.parse_args()
+  ROWS[:] = [int(r) for r in args.rows.split(",")]
   {"products": products, "kernel": kernel}.get(args.mode, lambda: engine(args.workdir))()
 
 

@@ -10,11 +10,11 @@ kernel flattened to w [K, N] (K = fan-in, N = fan-out) becomes
   group of `group` consecutive inputs of an output (s = max |w| over the group / 7, values -7..7).
 - float32 ("bits 32", not a quantization): `qkernel` float32 [N, K] = w^T, `qscale` ones [N]. The
   serving engine lays a float model's weights out so (`output_major`) on CPU, where the kernel
-  streams each output's weights once for all of a decode step's rows (prompt chunks: its blocked product).
+  streams each output's weights once for all of a decode step's rows (up to KERNEL_MAX_ROWS[32]).
 
 `matmul` is the product the Dense layers and MoE experts run on them: on CPU a C++ kernel
-(jaxformer/csrc, `jax.ffi`) when it could be built, for any number of rows where it has its blocked
-product for prefill (AVX-512 builds, `qkernel.gemm_rows`), else for up to `KERNEL_MAX_ROWS`; otherwise
+(jaxformer/csrc, `jax.ffi`) when it could be built, for up to `GEMM_MAX_ROWS` rows where it has its
+blocked product for prefill (AVX-512 builds, `qkernel.gemm_rows`), else up to `KERNEL_MAX_ROWS`; otherwise
 the XLA path (the int8/int4 weights converted inside the `dot_general`, which TPU/GPU compilers fuse),
 logged once with the reason. Float models reach it only through the serving engine's
 output-major layout (`output_major`); their training, eval and generate programs are unchanged.
@@ -35,13 +35,19 @@ from jaxformer.errors import UserError
 
 QUANT_PARAMS = ("qkernel", "qscale")
 # Rows up to which a CPU kernel without the blocked product (AVX2 or scalar builds) runs, by bits; above, the XLA
-# path (prefill). With it (AVX-512) the kernel takes every call. Measured before the blocked product: `benchmarks/qmatmul_rows.py`
+# path (prefill); with it (AVX-512), GEMM_MAX_ROWS below. Measured before the blocked product: `benchmarks/qmatmul_rows.py`
 # on GPT-2's [rows, 768] x [768, 3072] (weights in cache): int8 kernel 0.5-0.6x float32's time to 32 rows,
 # 0.7-1.0x at 64-128, 1.2x at 256 (XLA path 1.1-1.25x at 128-256); int4 0.6x at 32, 1.2-1.5x from 64,
 # where the XLA path (the weights dequantized, then XLA's float32 GEMM) does as well or better.
 # float32 (`benchmarks/dense_layout.py kernel`, GPT-2's decode products + head): the kernel 0.5x XLA's time at 16
 # rows, 0.57x at 32; at 144 rows ~1.6x, where XLA's blocked GEMM reuses the activations better.
 KERNEL_MAX_ROWS = {8: 128, 4: 32, 32: 32}
+# With the kernel's blocked product (AVX-512 builds): GPT-2 124M prefill through `benchmarks/decode.py`, quiet,
+# against the XLA path in the same session: 128 rows int8 1.09x / int4 0.97x float32's time (XLA path 1.64x /
+# 1.57x), 256 rows 1.11x / 1.15x (1.26x / 1.39x), 512 rows 1.29x / 1.37x (1.12x / 1.21x): the XLA path from 257
+# rows. float32 (the serving engine's prompt chunks): XLA's dot from 33 rows (GPT-2's 128-token prefill call 93 ms
+# against 101 through the blocked product).
+GEMM_MAX_ROWS = {8: 256, 4: 256, 32: 32}
 
 
 def quantize_int8(w):
@@ -117,9 +123,9 @@ def _log_once(key, line):
 
 
 def kernel_max_rows(bits):
-  """The most rows a product of this scheme takes the C++ kernel for: any number where the kernel has its blocked
-  product for prefill (`qkernel.gemm_rows`), else KERNEL_MAX_ROWS[bits] (the streaming kernel's range)."""
-  return float("inf") if qkernel.gemm_rows() else KERNEL_MAX_ROWS[bits]
+  """The most rows a product of this scheme takes the C++ kernel for: GEMM_MAX_ROWS[bits] where the kernel has its
+  blocked product for prefill (`qkernel.gemm_rows`), else KERNEL_MAX_ROWS[bits] (the streaming loop's range)."""
+  return GEMM_MAX_ROWS[bits] if qkernel.gemm_rows() else KERNEL_MAX_ROWS[bits]
 
 
 def matmul(x, q, scale):

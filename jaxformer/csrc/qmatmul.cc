@@ -274,8 +274,8 @@ void F32Outputs(const float* x, const float* w, const float* s, float* y, int64_
 // ---------------------------------------------------------------------------------------------------
 // Many rows (prefill): a blocked product in the outer-product form, so each weight is converted once per
 // call and then serves every row from cache. The rows are packed k-major in panels of 32 ([K][32], zero
-// rows past M); a tile of 12 outputs' weights, converted to float32 with their scales (int8, int4) or copied
-// (float32), is broadcast one k at a time against a panel's two 16-lane vectors: 24 accumulators, each a
+// rows past M); a tile of 12 outputs' weights, converted to float32 with their scales (int8, int4; float32
+// weights keep the streaming loop: XLA's dot did better there in a model), is broadcast one k at a time against a panel's two 16-lane vectors: 24 accumulators, each a
 // (row, output) pair summed over k in order. No transposition of the weights: their rows are read along k
 // as stored, each broadcast a load of its own. int4's rows are converted with the even inputs first,
 // then the odd ones (the nibbles as they lie), and the panels' k follow the same order. AVX-512 only.
@@ -344,12 +344,13 @@ std::vector<float> PackRows(const float* x, int64_t M, int64_t K, bool evens_fir
 // panel of at most 16 rows (its zero half not computed).
 template <int MR, int NV>
 void GemmTile(const float* w, int64_t ws, const float* panel, int64_t K, float* y, int64_t M, int64_t N,
-              int64_t m0, int64_t n0, const float* scale) {
+              int64_t m0, int64_t n0, const char* ahead, int64_t ahead_lines) {
   __m512 acc[MR][NV];
 #pragma GCC unroll 12
   for (int i = 0; i < MR; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
+    if (k < ahead_lines) _mm_prefetch(ahead + 64 * k, _MM_HINT_T1);  // the next tile's weights, a line a step
     __m512 x[NV];
     for (int v = 0; v < NV; ++v) x[v] = _mm512_loadu_ps(panel + k * kPanel + 16 * v);
 #pragma GCC unroll 12
@@ -363,30 +364,33 @@ void GemmTile(const float* w, int64_t ws, const float* panel, int64_t K, float* 
     for (int v = 0; v < NV; ++v) _mm512_store_ps(tile[i] + 16 * v, acc[i][v]);
   const int64_t rows = std::min<int64_t>(kPanel, M - m0);
   for (int64_t r = 0; r < rows; ++r)
-    for (int i = 0; i < MR; ++i) y[(m0 + r) * N + n0 + i] = scale ? tile[i][r] * scale[n0 + i] : tile[i][r];
+    for (int i = 0; i < MR; ++i) y[(m0 + r) * N + n0 + i] = tile[i][r];
 }
 
+// ahead: the next tile's stored weights (ahead_bytes of them), fetched into L2 while this tile's first panel
+// computes: in a model's chain of products the weights come from DRAM, and converting a tile would otherwise
+// wait for them (a chain of GPT-2's products at 128 rows took 1.12x as long without).
 template <int MR>
 void GemmPanels(const float* w, int64_t ws, const float* packed, int64_t M, int64_t K, int64_t N, float* y,
-                int64_t n0, const float* scale) {
+                int64_t n0, const char* ahead, int64_t ahead_bytes) {
   for (int64_t m0 = 0; m0 < M; m0 += kPanel) {
     const float* panel = packed + (m0 / kPanel) * K * kPanel;
+    const int64_t lines = m0 == 0 ? (ahead_bytes + 63) / 64 : 0;
     if (M - m0 <= 16)
-      GemmTile<MR, 1>(w, ws, panel, K, y, M, N, m0, n0, scale);
+      GemmTile<MR, 1>(w, ws, panel, K, y, M, N, m0, n0, ahead, lines);
     else
-      GemmTile<MR, 2>(w, ws, panel, K, y, M, N, m0, n0, scale);
+      GemmTile<MR, 2>(w, ws, panel, K, y, M, N, m0, n0, ahead, lines);
   }
 }
 
 // Outputs [n0, n1) over all rows; convert(n, mr, buf, ws) fills buf [mr][ws] with outputs n .. n + mr - 1 as
-// float32 (with their scales, or a float32 copy whose per-output `scale` then multiplies the sums; nullptr:
-// none). The rows of buf are K + 16 floats apart: at K = 3072 (or any multiple of 1024) rows K apart all map to
+// float32 with their scales; `stored` [N][row_bytes]: the weights as stored, for prefetching. The rows of buf are K + 16 floats apart: at K = 3072 (or any multiple of 1024) rows K apart all map to
 // one L1 set, and the 12 broadcast streams evicted each other (GPT-2's [., 3072] x [3072, 768] ran ~1.3x slower).
 // Rows go in blocks of kBlockRows so a block's panels stay in L2 while every tile of outputs passes over them
 // (each tile converted once per block).
 template <typename Convert>
 void GemmOutputs(const float* packed, int64_t M, int64_t K, int64_t N, float* y, int64_t n0, int64_t n1,
-                 Convert convert, const float* scale = nullptr) {
+                 const void* stored, int64_t row_bytes, Convert convert) {
   const int64_t ws = K + 16;
   std::vector<float> buf(kTileOut * ws);
   const int64_t block = std::max<int64_t>(kPanel, (kBlockBytes / (K * 4)) / kPanel * kPanel);
@@ -396,21 +400,24 @@ void GemmOutputs(const float* packed, int64_t M, int64_t K, int64_t N, float* y,
     convert(n, mr, buf.data(), ws);
     const float* w = buf.data();
     const float* rows = packed + mb * K;
+    const int64_t next = std::min<int64_t>(kTileOut, n1 - n - mr);   // the next tile's outputs
+    const char* ahead = static_cast<const char*>(stored) + (n + mr) * row_bytes;
+    const int64_t ahead_bytes = next > 0 ? next * row_bytes : 0;
     const int64_t mrows = std::min(M, mb + block) - mb;
     float* out = y + mb * N;
     switch (mr) {
-      case 12: GemmPanels<12>(w, ws, rows, mrows, K, N, out, n, scale); break;
-      case 11: GemmPanels<11>(w, ws, rows, mrows, K, N, out, n, scale); break;
-      case 10: GemmPanels<10>(w, ws, rows, mrows, K, N, out, n, scale); break;
-      case 9: GemmPanels<9>(w, ws, rows, mrows, K, N, out, n, scale); break;
-      case 8: GemmPanels<8>(w, ws, rows, mrows, K, N, out, n, scale); break;
-      case 7: GemmPanels<7>(w, ws, rows, mrows, K, N, out, n, scale); break;
-      case 6: GemmPanels<6>(w, ws, rows, mrows, K, N, out, n, scale); break;
-      case 5: GemmPanels<5>(w, ws, rows, mrows, K, N, out, n, scale); break;
-      case 4: GemmPanels<4>(w, ws, rows, mrows, K, N, out, n, scale); break;
-      case 3: GemmPanels<3>(w, ws, rows, mrows, K, N, out, n, scale); break;
-      case 2: GemmPanels<2>(w, ws, rows, mrows, K, N, out, n, scale); break;
-      default: GemmPanels<1>(w, ws, rows, mrows, K, N, out, n, scale); break;
+      case 12: GemmPanels<12>(w, ws, rows, mrows, K, N, out, n, ahead, ahead_bytes); break;
+      case 11: GemmPanels<11>(w, ws, rows, mrows, K, N, out, n, ahead, ahead_bytes); break;
+      case 10: GemmPanels<10>(w, ws, rows, mrows, K, N, out, n, ahead, ahead_bytes); break;
+      case 9: GemmPanels<9>(w, ws, rows, mrows, K, N, out, n, ahead, ahead_bytes); break;
+      case 8: GemmPanels<8>(w, ws, rows, mrows, K, N, out, n, ahead, ahead_bytes); break;
+      case 7: GemmPanels<7>(w, ws, rows, mrows, K, N, out, n, ahead, ahead_bytes); break;
+      case 6: GemmPanels<6>(w, ws, rows, mrows, K, N, out, n, ahead, ahead_bytes); break;
+      case 5: GemmPanels<5>(w, ws, rows, mrows, K, N, out, n, ahead, ahead_bytes); break;
+      case 4: GemmPanels<4>(w, ws, rows, mrows, K, N, out, n, ahead, ahead_bytes); break;
+      case 3: GemmPanels<3>(w, ws, rows, mrows, K, N, out, n, ahead, ahead_bytes); break;
+      case 2: GemmPanels<2>(w, ws, rows, mrows, K, N, out, n, ahead, ahead_bytes); break;
+      default: GemmPanels<1>(w, ws, rows, mrows, K, N, out, n, ahead, ahead_bytes); break;
     }
   }
 }
@@ -476,7 +483,7 @@ ffi::Error Int8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
   if (M >= kGemmRows) {
     const std::vector<float> packed = PackRows(xp, M, K, false);
     ParallelFor(N, N * K, [&](int64_t n0, int64_t n1) {
-      GemmOutputs(packed.data(), M, K, N, yp, n0, n1, [&](int64_t n, int mr, float* buf, int64_t ws) {
+      GemmOutputs(packed.data(), M, K, N, yp, n0, n1, qp, K, [&](int64_t n, int mr, float* buf, int64_t ws) {
         for (int i = 0; i < mr; ++i) ConvertInt8(qp + (n + i) * K, sp[n + i], K, buf + i * ws);
       });
     });
@@ -505,7 +512,7 @@ ffi::Error Int4Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q,
     float* yp = y->typed_data();
     const std::vector<float> packed = PackRows(xp, M, K, true);
     ParallelFor(N, N * half, [&](int64_t n0, int64_t n1) {
-      GemmOutputs(packed.data(), M, K, N, yp, n0, n1, [&](int64_t n, int mr, float* buf, int64_t ws) {
+      GemmOutputs(packed.data(), M, K, N, yp, n0, n1, qp, half, [&](int64_t n, int mr, float* buf, int64_t ws) {
         for (int i = 0; i < mr; ++i) ConvertInt4(qp + (n + i) * half, sp + (n + i) * groups, K, groups, buf + i * ws);
       });
     });
@@ -535,17 +542,6 @@ ffi::Error F32Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
     return ffi::Error::InvalidArgument("matmul f32: shapes do not match x [M, K], w [N, K], s [N]");
   const float *xp = x.typed_data(), *wp = w.typed_data(), *sp = s.typed_data();
   float* yp = y->typed_data();
-#if defined(__AVX512F__)
-  if (M >= kGemmRows) {  // the weights copied as they are, the scale applied to the sums
-    const std::vector<float> packed = PackRows(xp, M, K, false);
-    ParallelFor(N, N * K * 4, [&](int64_t n0, int64_t n1) {
-      GemmOutputs(packed.data(), M, K, N, yp, n0, n1, [&](int64_t n, int mr, float* buf, int64_t ws) {
-        for (int i = 0; i < mr; ++i) std::copy(wp + (n + i) * K, wp + (n + i + 1) * K, buf + i * ws);
-      }, sp);
-    });
-    return ffi::Error::Success();
-  }
-#endif
   ParallelFor(N, N * K * 4, [&](int64_t n0, int64_t n1) { F32Outputs<4>(xp, wp, sp, yp, M, K, N, n0, n1); });
   return ffi::Error::Success();
 }
