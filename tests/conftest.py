@@ -14,11 +14,34 @@ import tempfile
 # the emitted code; XLA's HLO passes (fusion, layout, buffer assignment) are unchanged.
 # Tests of what the default codegen does (bitwise equality of two programs) run with it through
 # `with_default_codegen`.
-FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# FAST_XLA also compiles fusions with XLA's elemental IR emitters instead of its MLIR fusion emitters
+# (--xla_cpu_use_fusion_emitters=false; the same fused HLO): -40% compile time of a tiny Llama's train
+# step and of the eager ops of its init, -30% or so of the suite's time. Its fusions round differently in
+# the last bits; tests whose tolerances are about the MLIR emitters' rounding run with them
+# (`with_fusion_emitters`).
+FAST_XLA_O0 = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def _xla_knows(flag):
+  """Whether this jaxlib's XLA defines `flag` (XLA aborts the process on an unknown one, and a later jaxlib
+  may retire a flag): its name is among libjax_common.so's strings (~0.2 s to look)."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import mmap  # pylint: disable=g-import-not-at-top
+  try:
+    library = os.path.join(os.path.dirname(importlib.util.find_spec("jaxlib").origin), "libjax_common.so")
+    with open(library, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+      return m.find(flag.encode()) >= 0
+  except (OSError, ValueError, AttributeError):
+    return False
+
+
+FAST_XLA = FAST_XLA_O0 + (" --xla_cpu_use_fusion_emitters=false" if _xla_knows("xla_cpu_use_fusion_emitters") else "")
+os.environ["JAXFORMER_TEST_FAST_XLA"] = FAST_XLA  # for the test scripts run as processes of their own
 os.environ.setdefault("JAXFORMER_XLA_FLAGS_GIVEN", os.environ.get("XLA_FLAGS", ""))  # before any FAST_XLA
 XLA_FLAGS_GIVEN = os.environ["JAXFORMER_XLA_FLAGS_GIVEN"]  # (xdist workers inherit the controller's env)
-if os.environ.get("JAXFORMER_TEST_CODEGEN") != "default" and "xla_backend_optimization_level" not in XLA_FLAGS_GIVEN:
-  os.environ["XLA_FLAGS"] = f"{XLA_FLAGS_GIVEN} {FAST_XLA}".strip()
+CODEGEN = os.environ.get("JAXFORMER_TEST_CODEGEN")
+if CODEGEN != "default" and "xla_backend_optimization_level" not in XLA_FLAGS_GIVEN:
+  os.environ["XLA_FLAGS"] = f"{XLA_FLAGS_GIVEN} {FAST_XLA_O0 if CODEGEN == 'fusion_emitters' else FAST_XLA}".strip()
 
 import jax  # noqa: E402  (after XLA_FLAGS: read when the CPU backend starts)
 import numpy as np  # noqa: E402
@@ -179,18 +202,24 @@ def pytest_xdist_make_scheduler(config, log):
   return ModuleOrTest(config, log)
 
 
-def with_default_codegen(test):
+def with_default_codegen(test, codegen="default", xla_flags=XLA_FLAGS_GIVEN):
   """Runs the test in a pytest subprocess with XLA's default codegen (without FAST_XLA): for
   claims about the programs users run that the cheap codegen does not keep. steps_per_call=4
   trains bitwise as 1 with the default codegen; at LLVM -O0 they differ by 1 ulp."""
   @functools.wraps(test)
   def run(*args, **kwargs):
-    if os.environ.get("JAXFORMER_TEST_CODEGEN") == "default":
+    if os.environ.get("JAXFORMER_TEST_CODEGEN") in ("default", codegen):
       return test(*args, **kwargs)
     node = os.environ["PYTEST_CURRENT_TEST"].rsplit(" ", 1)[0]
-    env = {**os.environ, "JAXFORMER_TEST_CODEGEN": "default", "XLA_FLAGS": XLA_FLAGS_GIVEN}
+    env = {**os.environ, "JAXFORMER_TEST_CODEGEN": codegen, "XLA_FLAGS": xla_flags}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            f"--basetemp={tempfile.mkdtemp()}", node], env=env, capture_output=True, text=True,
                           cwd=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-5000:] + proc.stderr[-2000:]
   return run
+
+
+def with_fusion_emitters(test):
+  """Runs the test in a pytest subprocess with FAST_XLA's LLVM settings but XLA's MLIR fusion emitters
+  (the default): for tolerances set by how those fusions round (scan vs unrolled gradients at rtol 1e-5)."""
+  return with_default_codegen(test, "fusion_emitters", f"{XLA_FLAGS_GIVEN} {FAST_XLA_O0}".strip())

@@ -22,7 +22,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 # Cheaper LLVM codegen: the test programs are tiny, compiling them is most of the time.
-FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+FAST_XLA = os.environ.get("JAXFORMER_TEST_FAST_XLA",  # conftest.FAST_XLA when run by the tests
+                          "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
 
 
 def free_port():

@@ -330,7 +330,8 @@ def test_sharded_serving_gives_the_tokens_of_one_device(tmp_path):
   the training rule table and the KV pool over kv heads, gives the greedy tokens of one device (and of
   decode.generate), with no program compiled after warm-up."""
   import json, os, subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  from conftest import FAST_XLA  # pylint: disable=g-import-not-at-top  (the tests' cheap codegen, as in-process)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {FAST_XLA}")
   script = tmp_path / "worker.py"
   script.write_text(SHARDED_WORKER)
   run = subprocess.run([sys.executable, str(script), os.path.dirname(__file__)], env=env, capture_output=True,

@@ -285,7 +285,7 @@ def test_cli_unknown_config_exits_2(capsys):
 _XLA_CHECK = r"""
 import os
 # Compile only: LLVM codegen effort buys nothing (buffer assignment, hence memory_analysis, is before it).
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 " + os.environ["JAXFORMER_TEST_FAST_XLA"]  # conftest
 import jax
 from jaxformer import aot, config
 LLAMA = ["model.d_model=128", "model.num_heads=4", "model.num_kv_heads=2", "model.d_ff=384", "model.num_layers=4",

@@ -1,5 +1,6 @@
 """Tests for LoRA (jaxformer.lora): adapted = merged, only adapters train and are saved, resume, scan, export."""
 
+import concurrent.futures
 import glob
 import json
 import hashlib
@@ -342,7 +343,8 @@ def test_lora_on_a_mesh_gives_the_one_device_losses_with_sharded_adapters(base_r
   one = str(tmp / "one_device")
   train.train_and_evaluate(make_cfg("train.num_steps=3"), one, **QUIET)
   overrides = [*make_cfg.overrides, "train.num_steps=3", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"]
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"}
+  from conftest import FAST_XLA  # pylint: disable=g-import-not-at-top  (the codegen of the one-device run here)
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {FAST_XLA}"}
   out = subprocess.run([sys.executable, "-c", _MESH_RUN, json.dumps(overrides), str(tmp / "mesh")], env=env,
                        capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
@@ -499,7 +501,7 @@ def test_a_lora_workdir_is_served_as_its_merged_model(base_run):
   merged model's (not the base model's: the adapters count)."""
   import openai  # pylint: disable=g-import-not-at-top
   from jaxformer import generate  # pylint: disable=g-import-not-at-top
-  from test_serve import _served_greedy, _start, _stop  # pylint: disable=g-import-not-at-top
+  from test_serve import _start, _stop  # pylint: disable=g-import-not-at-top
   tmp, _, make_cfg = base_run
   workdir = str(tmp / "served")
   run = train.train_and_evaluate(make_cfg("train.num_steps=3"), workdir, **QUIET)
@@ -510,10 +512,13 @@ def test_a_lora_workdir_is_served_as_its_merged_model(base_run):
   flags = ("--max-batch", "4", "--max-seq-len", "64")
   want = [generate.generate_text(model, merged, tok, cfg, [p], max_new_tokens=10, temperature=0.0, top_k=0,
                                  top_p=1.0, log=lambda *a: None)[0] for p in prompts]
-  assert _served_greedy(workdir, prompts, 10, *flags) == want
-  proc, url = _start(workdir, *flags)
+  proc, url = _start(workdir, *flags)  # one server for both checks (test_serve._served_greedy's requests)
   try:
     client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    name = client.models.list().data[0].id
+    ask = lambda p: client.completions.create(model=name, prompt=p, max_tokens=10, temperature=0).choices[0].text
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:  # concurrent, as _served_greedy sends them
+      assert list(pool.map(ask, prompts)) == want
     for p in prompts:
       got = client.completions.create(model=client.models.list().data[0].id, prompt=p, max_tokens=1, temperature=0,
                                       logprobs=1).choices[0].logprobs.token_logprobs[0]

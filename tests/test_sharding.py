@@ -18,8 +18,7 @@ from jaxformer import sharding
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = ("tiny_encdec", "gpt2_tiny")
 # Cheaper LLVM codegen: these programs are tiny, compiling them is most of the time.
-XLA_FLAGS = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-             "--xla_llvm_disable_expensive_passes=true")
+XLA_FLAGS = "--xla_force_host_platform_device_count=8 " + os.environ["JAXFORMER_TEST_FAST_XLA"]  # conftest.FAST_XLA
 
 
 @pytest.fixture(scope="module")
