@@ -71,7 +71,7 @@ ROWS = [1, 4, 8, 16, 24, 32, 48, 64]
 
 def kernel():
   """The same products through `qmatmul.matmul` on the engine's float32 output-major layout (the C++ kernel up to
-  KERNEL_MAX_ROWS[32] rows) against XLA's dot on the model's [in, out] kernels."""
+  kernel_max_rows(32) rows) against XLA's dot on the model's [in, out] kernels."""
   from jaxformer import qkernel, qmatmul  # pylint: disable=g-import-not-at-top
   if qkernel.unavailable():
     sys.exit(f"no C++ kernel: {qkernel.unavailable()}")
