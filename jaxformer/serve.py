@@ -602,6 +602,16 @@ def build(args, log=print):
   return server, seconds
 
 
+def _attention_path(e):
+  """The ready line's attention: the CPU paged kernel, the Pallas TPU kernel for decode steps (prefill by the
+  gather path), or the gather path and why."""
+  if e.paged_fallback is None:
+    return "paged kernel"
+  if e.pallas_fallback is None:
+    return f"Pallas decode, gather prefill ({e.paged_fallback})"
+  return f"gather ({e.paged_fallback}; Pallas: {e.pallas_fallback})"
+
+
 @cli
 def main(argv):
   """The `python -m jaxformer.serve` entry point: loads, warms up, prints the ready line, serves until SIGTERM."""
@@ -633,7 +643,7 @@ def main(argv):
     print(f"jaxformer.serve: ready at http://{args.host}:{port}/v1 model={server.model_name} slots={e.max_batch} "
           f"kv={e.pool.num_blocks} blocks x {e.block_size} tokens ({e.capacity_tokens()} tokens) "
           f"max_seq_len={e.max_seq_len} prefill_chunk={e.prefill_chunk} attention="
-          f"{'paged kernel' if e.paged_fallback is None else 'gather (' + e.paged_fallback + ')'} "
+          f"{_attention_path(e)} "
           f"dense={'output-major kernel' if e.dense_fallback is None else 'XLA (' + e.dense_fallback + ')'} "
           f"warm-up {seconds:.1f}s", flush=True)
   # uvicorn re-raises the SIGTERM it handled once it has drained, under the handler it found: a no-op

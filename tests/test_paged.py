@@ -10,6 +10,7 @@ from jaxformer import engine as engine_lib
 from jaxformer import layers
 from jaxformer import paged
 from jaxformer import qkernel
+from jaxformer import serve as serve_lib
 from jaxformer.errors import UserError
 
 from test_engine import _prompts, _reference, _setup
@@ -182,6 +183,7 @@ def _serve_decoding_by(model, params, attention, monkeypatch):
   engine_lib._step_program.cache_clear()   # the program is traced again under this path
   eng = engine_lib.Engine(model, params, max_batch=3, block_size=8, max_seq_len=48, prefill_chunk=16)
   assert eng.pallas_fallback is None and eng.paged_fallback == "JAXFORMER_PAGED=pallas-interpret"
+  assert serve_lib._attention_path(eng) == "Pallas decode, gather prefill (JAXFORMER_PAGED=pallas-interpret)"  # ready line
   eng.warm_up()
   # Traced once per layer for each decode width: block tables of 4 and 6 blocks (the new token's included).
   assert sorted(set(calls)) == [(3, w) for w in eng.history_buckets] and len(calls) == 2 * len(eng.history_buckets)
@@ -203,7 +205,9 @@ def test_engine_decodes_through_the_pallas_kernel_in_the_interpreter(monkeypatch
   differed from generate's here), so it serves bfloat16 pools; there its tokens equal the reference's."""
   monkeypatch.setenv("JAXFORMER_PAGED", "pallas-interpret")
   model, params = _setup(*PALLAS_MODEL)
-  assert "reads keys and values as bfloat16" in engine_lib.Engine(model, params, max_seq_len=16).pallas_fallback
+  refused = engine_lib.Engine(model, params, max_seq_len=16)
+  assert "reads keys and values as bfloat16" in refused.pallas_fallback
+  assert serve_lib._attention_path(refused).startswith("gather (JAXFORMER_PAGED=pallas-interpret; Pallas: the Pallas")
   monkeypatch.setattr(paged, "pallas_why_not", lambda *a, **k: None)
   prompts, tokens = _serve_decoding_by(model, params, _pallas_reference, monkeypatch)
   assert tokens == [row[:len(t)] for row, t in zip(_reference(model, params, prompts, 12), tokens)]
