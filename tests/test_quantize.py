@@ -384,3 +384,30 @@ def test_int4_products_lower_to_the_pallas_kernel_for_tpu():
     tpu = jax.jit(qmatmul.matmul).trace(x, q, s).lower(lowering_platforms=("tpu",)).as_text()
     assert ("tpu_custom_call" in tpu) == fits, (rows, n)
     assert "tpu_custom_call" not in jax.jit(qmatmul.matmul).lower(x, q, s).as_text()
+
+
+def test_an_avx2_build_has_no_blocked_product_and_streams_every_row(tmp_path):
+  """The kernel built without AVX-512 (as on an AVX2-only CPU): `JfQmatmulGemmRows` says 0, so `qkernel.gemm_rows`
+  would give None and `qmatmul.KERNEL_MAX_ROWS` bound the rows; its streaming loop still gives the XLA path's
+  products at 40 and 150 rows (int8) and 24 (int4)."""
+  import ctypes  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  from jaxformer import qbuild  # pylint: disable=g-import-not-at-top
+  cxx = qbuild.compiler()
+  if not cxx:
+    pytest.skip("no C++ compiler")
+  out = tmp_path / "avx2.so"
+  subprocess.run([cxx, *qbuild.FLAGS, "-mno-avx512f", f"-I{jax.ffi.include_dir()}", *map(str, qbuild.SOURCES),
+                  "-o", str(out)], check=True, capture_output=True)
+  lib = ctypes.cdll.LoadLibrary(str(out))
+  assert lib.JfQmatmulGemmRows() == 0
+  targets = {8: "test_avx2_int8", 4: "test_avx2_int4"}
+  jax.ffi.register_ffi_target(targets[8], jax.ffi.pycapsule(lib.JfQmatmulInt8), platform="cpu")
+  jax.ffi.register_ffi_target(targets[4], jax.ffi.pycapsule(lib.JfQmatmulInt4), platform="cpu")
+  rng = np.random.default_rng(9)
+  for m, bits in ((40, 8), (150, 8), (24, 4)):
+    w = rng.standard_normal((256, 70)).astype(np.float32)
+    q, s = _layout(w, bits, 64)
+    x = rng.standard_normal((m, 256)).astype(np.float32)
+    got = jax.ffi.ffi_call(targets[bits], jax.ShapeDtypeStruct((m, 70), jnp.float32))(x, q, s)
+    _close(got, qmatmul.xla_matmul(x, q, s), x, np.asarray(qmatmul.dequantize(jnp.asarray(q), jnp.asarray(s))))
