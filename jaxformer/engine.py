@@ -633,7 +633,7 @@ def _step(model, params, kv, tokens, segment, position, dest, src, kv_segment, k
   if pages is not None:                  # the layers wrote the new keys and values: their pools are the new ones
     new_kv = [x for node in nodes for x in (node["pool_key"], node["pool_value"])]
   else:
-    new_kv = _write_new(model, kv, nodes, dest, logits)
+    new_kv = _write_new(kv, nodes, dest, logits)
   keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(seed, index)
   token = decode.sample_rows(logits, keys, temperature, top_k, top_p)
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
@@ -645,13 +645,11 @@ def _step(model, params, kv, tokens, segment, position, dest, src, kv_segment, k
   return (token, chosen, top_ids, top_logp), new_kv
 
 
-def _write_new(model, kv, nodes, dest, logits):
+def _write_new(kv, nodes, dest, logits):
   """The pool with each layer's new keys and values [(layers,) rows, chunk, kv_heads, d] written at `dest`."""
   new = [x for node in nodes for x in (node["new_key"], node["new_value"])]
   # The written values depend on the logits (+ 0 * a logit), so on every layer's reads of its pool: without a
   # data dependence XLA:CPU cannot order the reads before the in-place writes and copies each pool twice per
   # call (GPT-2 with an 8,192-token pool: ~190 ms a step). An optimization barrier does not order them.
   after_reads = jnp.zeros((), logits.dtype) * logits[0, 0]
-  new = [(x + after_reads.astype(x.dtype)).astype(pool.dtype) for pool, x in zip(kv, new)]
-  rows = paged.pool_rows(dest, model.cfg.kv_heads, kv[0].shape[-2])
-  return [pool.at[:, rows].set(x) if pool.ndim == 3 else pool.at[rows].set(x) for pool, x in zip(kv, new)]
+  return [paged.write(pool, x + after_reads.astype(x.dtype), dest) for pool, x in zip(kv, new)]

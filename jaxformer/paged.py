@@ -85,8 +85,9 @@ def gather(pool, src, kv_heads):
 
 
 def write(pool, x, slots):
-  """The pool with x [rows, T, kv_heads, d] written at the pool slots `slots` [rows, T] (every kv head's row)."""
-  return pool.at[pool_rows(slots, x.shape[2], pool.shape[-2])].set(x.astype(pool.dtype))
+  """The pool [(layers,) kv_heads * slots, d] with x [(layers,) rows, T, kv_heads, d] written at the pool slots
+  `slots` [rows, T] (every kv head's row)."""
+  return pool.at[..., pool_rows(slots, x.shape[-2], pool.shape[-2]), :].set(x.astype(pool.dtype))
 
 
 def pallas_why_not(cfg, kv_dtype, devices=1, platform=None):

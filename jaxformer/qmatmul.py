@@ -42,11 +42,11 @@ QUANT_PARAMS = ("qkernel", "qscale")
 # float32 (`benchmarks/dense_layout.py kernel`, GPT-2's decode products + head): the kernel 0.5x XLA's time at 16
 # rows, 0.57x at 32; at 144 rows ~1.6x, where XLA's blocked GEMM reuses the activations better.
 KERNEL_MAX_ROWS = {8: 128, 4: 32, 32: 32}
-# With the kernel's blocked product (AVX-512 builds): GPT-2 124M prefill through `benchmarks/decode.py`, quiet,
-# against the XLA path in the same session: 128 rows int8 1.09x / int4 0.97x float32's time (XLA path 1.64x /
-# 1.57x), 256 rows 1.11x / 1.15x (1.26x / 1.39x), 512 rows 1.29x / 1.37x (1.12x / 1.21x): the XLA path from 257
-# rows. float32 (the serving engine's prompt chunks): XLA's dot from 33 rows (GPT-2's 128-token prefill call 93 ms
-# against 101 through the blocked product).
+# With the kernel's blocked product (AVX-512 builds), GPT-2 124M prefill against float32's time (BENCHMARKS.md,
+# "Quantized weights, part 3": `benchmarks/decode.py --quantize 8,4`, `benchmarks/prefill_alone.py`): 128 rows
+# int8 0.92-1.12x / int4 0.95-1.00x (the XLA path 1.64x / 1.57x), 256 rows 1.14-1.18x (1.26x / 1.39x), 512 rows
+# 1.29x / 1.37x (1.12x / 1.21x): the XLA path from 257 rows. float32 (the serving engine's prompt chunks): XLA's
+# dot from 33 rows (GPT-2's 128-token prefill call 93 ms against 101-106 through the blocked product).
 GEMM_MAX_ROWS = {8: 256, 4: 256, 32: 32}
 
 

@@ -43,7 +43,9 @@ constexpr int64_t kRowBlock = 4;  // activation rows per pass over a weight row 
 #endif
 constexpr int64_t kAhead = JF_AHEAD;
 // Calls of at least this many rows take the blocked product (`GemmOutputs`, AVX-512 builds); int4's streaming
-// loop keeps two partial sums per (row, output), so it hands over sooner. By `benchmarks/qmatmul_rows.py`.
+// loop keeps two partial sums per (row, output), so it hands over sooner. Set from a by-hand comparison of
+// the two loops on GPT-2's products at 8-64 rows (a throwaway build with JF_GEMM_ROWS=1; noisy, not kept):
+// the streaming loop led at 8 rows, the blocked one from ~16 rows for int4 and ~32 for int8.
 #ifndef JF_GEMM_ROWS
 #define JF_GEMM_ROWS 33
 #endif
@@ -275,10 +277,11 @@ void F32Outputs(const float* x, const float* w, const float* s, float* y, int64_
 // Many rows (prefill): a blocked product in the outer-product form, so each weight is converted once per
 // call and then serves every row from cache. The rows are packed k-major in panels of 32 ([K][32], zero
 // rows past M); a tile of 12 outputs' weights, converted to float32 with their scales (int8, int4; float32
-// weights keep the streaming loop: XLA's dot did better there in a model), is broadcast one k at a time against a panel's two 16-lane vectors: 24 accumulators, each a
-// (row, output) pair summed over k in order. No transposition of the weights: their rows are read along k
-// as stored, each broadcast a load of its own. int4's rows are converted with the even inputs first,
-// then the odd ones (the nibbles as they lie), and the panels' k follow the same order. AVX-512 only.
+// weights keep the streaming loop: XLA's dot did better there in a model), is broadcast one k at a time
+// against a panel's two 16-lane vectors: 24 accumulators, each a (row, output) pair summed over k in order.
+// No transposition of the weights: their rows are read along k as stored, each broadcast a load of its own.
+// int4's rows are converted with the even inputs first, then the odd ones (the nibbles as they lie), and the
+// panels' k follow the same order. AVX-512 only.
 #if defined(__AVX512F__)
 constexpr int kTileOut = 12;   // outputs per tile (broadcast)
 constexpr int kPanel = 32;     // rows per panel (two vectors)
@@ -369,7 +372,8 @@ void GemmTile(const float* w, int64_t ws, const float* panel, int64_t K, float* 
 
 // ahead: the next tile's stored weights (ahead_bytes of them), fetched into L2 while this tile's first panel
 // computes: in a model's chain of products the weights come from DRAM, and converting a tile would otherwise
-// wait for them (a chain of GPT-2's products at 128 rows took 1.12x as long without).
+// wait for them (GPT-2's 48 products + head at 128 rows, on float32 weights when they still took this path:
+// 131.6 ms without, 117.2 with; BENCHMARKS.md, "Quantized weights, part 3").
 template <int MR>
 void GemmPanels(const float* w, int64_t ws, const float* packed, int64_t M, int64_t K, int64_t N, float* y,
                 int64_t n0, const char* ahead, int64_t ahead_bytes) {
@@ -384,10 +388,12 @@ void GemmPanels(const float* w, int64_t ws, const float* packed, int64_t M, int6
 }
 
 // Outputs [n0, n1) over all rows; convert(n, mr, buf, ws) fills buf [mr][ws] with outputs n .. n + mr - 1 as
-// float32 with their scales; `stored` [N][row_bytes]: the weights as stored, for prefetching. The rows of buf are K + 16 floats apart: at K = 3072 (or any multiple of 1024) rows K apart all map to
-// one L1 set, and the 12 broadcast streams evicted each other (GPT-2's [., 3072] x [3072, 768] ran ~1.3x slower).
-// Rows go in blocks of kBlockRows so a block's panels stay in L2 while every tile of outputs passes over them
-// (each tile converted once per block).
+// float32 with their scales; `stored` [N][row_bytes]: the weights as stored, for prefetching. The rows of buf
+// are K + 16 floats apart: at K = 3072 (any multiple of 1024) rows K apart are a multiple of 4 KiB apart, so all
+// 12 fall in one set of the 48 KiB, 12-way L1 and the broadcast streams could evict each other (the padding is
+// by that arithmetic; no speed-up beyond this machine's noise was measured). Rows go in blocks of kBlockBytes
+// so a block's panels stay in L2 while every tile of outputs passes over them (each tile converted once per
+// block).
 template <typename Convert>
 void GemmOutputs(const float* packed, int64_t M, int64_t K, int64_t N, float* y, int64_t n0, int64_t n1,
                  const void* stored, int64_t row_bytes, Convert convert) {
