@@ -13,11 +13,12 @@ kernel flattened to w [K, N] (K = fan-in, N = fan-out) becomes
   streams each output's weights once for all of a decode step's rows (up to KERNEL_MAX_ROWS[32]).
 
 `matmul` is the product the Dense layers and MoE experts run on them: on CPU a C++ kernel
-(jaxformer/csrc, `jax.ffi`) when it could be built, for up to `GEMM_MAX_ROWS` rows where it has its
-blocked product for prefill (AVX-512 builds, `qkernel.gemm_rows`), else up to `KERNEL_MAX_ROWS`; otherwise
-the XLA path (the int8/int4 weights converted inside the `dot_general`, which TPU/GPU compilers fuse),
-logged once with the reason. Float models reach it only through the serving engine's
-output-major layout (`output_major`); their training, eval and generate programs are unchanged.
+(jaxformer/csrc, `jax.ffi`) when it could be built, for up to `GEMM_MAX_ROWS` rows where it has its blocked
+product for prefill (AVX-512 builds, `qkernel.gemm_rows`), else up to `KERNEL_MAX_ROWS`; above that, or without
+the kernel (logged once with the reason), the XLA path: the int8/int4 weights converted
+for `dot_general`, which TPU/GPU compilers fuse into the product and which XLA:CPU writes out in float32
+right before its product (`_after`). Float models reach it only through the serving engine's output-major
+layout (`output_major`); their training, eval and generate programs are unchanged.
 """
 
 import json
@@ -34,19 +35,18 @@ from jaxformer import qpallas
 from jaxformer.errors import UserError
 
 QUANT_PARAMS = ("qkernel", "qscale")
-# Rows up to which a CPU kernel without the blocked product (AVX2 or scalar builds) runs, by bits; above, the XLA
-# path (prefill); with it (AVX-512), GEMM_MAX_ROWS below. Measured before the blocked product: `benchmarks/qmatmul_rows.py`
-# on GPT-2's [rows, 768] x [768, 3072] (weights in cache): int8 kernel 0.5-0.6x float32's time to 32 rows,
-# 0.7-1.0x at 64-128, 1.2x at 256 (XLA path 1.1-1.25x at 128-256); int4 0.6x at 32, 1.2-1.5x from 64,
-# where the XLA path (the weights dequantized, then XLA's float32 GEMM) does as well or better.
+# Rows up to which the C++ kernel runs, by bits; above, the XLA path, which converts the weights for XLA's GEMM
+# (GPT-2 124M: ~9 ms per call whatever the rows; int4's unpacking more). GPT-2 124M prefill against float32's time,
+# each path forced (`python benchmarks/prefill_rows.py`, BENCHMARKS.md "Quantized weights, part 4"; an AVX-512 AMD
+# EPYC, 32 MB of L3). Without the blocked product (AVX2 or scalar builds) the kernel's streaming loop: int8 0.86x at
+# 32 rows (XLA path 1.02x), 1.22x at 48 (1.06x); int4 1.25x at 32 (1.35x), 1.65x at 128 (1.12x).
 # float32 (`benchmarks/dense_layout.py kernel`, GPT-2's decode products + head): the kernel 0.5x XLA's time at 16
 # rows, 0.57x at 32; at 144 rows ~1.6x, where XLA's blocked GEMM reuses the activations better.
-KERNEL_MAX_ROWS = {8: 128, 4: 32, 32: 32}
-# With the kernel's blocked product (AVX-512 builds), GPT-2 124M prefill against float32's time (BENCHMARKS.md,
-# "Quantized weights, part 3": `benchmarks/decode.py --quantize 8,4`, `benchmarks/prefill_alone.py`): 128 rows
-# int8 0.92-1.12x / int4 0.95-1.00x (the XLA path 1.64x / 1.57x), 256 rows 1.14-1.18x (1.26x / 1.39x), 512 rows
-# 1.29x / 1.37x (1.12x / 1.21x): the XLA path from 257 rows. float32 (the serving engine's prompt chunks): XLA's
-# dot from 33 rows (GPT-2's 128-token prefill call 93 ms against 101-106 through the blocked product).
+KERNEL_MAX_ROWS = {8: 32, 4: 32, 32: 32}
+# With the blocked product (AVX-512 builds, `qkernel.gemm_rows`), the same table: int8 0.98x / 1.16x / 1.06x at
+# 64 / 128 / 256 rows (XLA path 1.04x / 1.11x / 1.05x), int4 0.73x at 32 and 1.08x at 64-256 (1.27x, 1.19-1.09x);
+# at 512 rows 1.19x for both, where the XLA path takes 0.99-1.00x: the XLA path from 257 rows. float32 (the serving
+# engine's prompt chunks): XLA's dot from 33 rows (a 128-token prefill call 93 ms against 101-106 through it).
 GEMM_MAX_ROWS = {8: 256, 4: 256, 32: 32}
 
 
@@ -113,6 +113,25 @@ def xla_matmul(x, q, scale):
   return jnp.einsum("mk,nk->mn", x, dequantize(q, scale, dtype), preferred_element_type=jnp.float32)
 
 
+def _after(q, x):
+  """q, made to depend on x: for XLA:CPU, so that it converts the weights right before their product.
+
+  The conversion reads only parameters, and XLA:CPU's scheduler (which runs what it can concurrently) put every
+  product's conversion at the program's start: GPT-2's 512-token prefill then held all its weights in float32 at
+  once (361 MB of temporaries against float32's 29), page-faulted in on every call, and took 1.19x float32's time
+  (an optimization barrier does not hold: XLA:CPU removes it). min(x's bits as uint32, 0) is 0 for every x, which
+  XLA does not fold away (tests/test_quantize.py checks the temporaries)."""
+  if x.size == 0 or q.dtype == jnp.float32:  # a float32 kernel is not converted
+    return q
+  bits = jax.lax.bitcast_convert_type(x[0, 0].astype(jnp.float32), jnp.uint32)
+  return q + jnp.minimum(bits, jnp.uint32(0)).astype(q.dtype)
+
+
+def _xla_matmul_cpu(x, q, scale):
+  """`xla_matmul` with the weights converted after x is computed (`_after`): the XLA path on CPU."""
+  return xla_matmul(x, _after(q, x), scale)
+
+
 _LOGGED = set()
 
 
@@ -132,25 +151,21 @@ def matmul(x, q, scale):
   """x [M, K] (float) times the quantized kernel -> [M, N] float32: the one quantized product.
 
   On CPU with at most `kernel_max_rows(bits)` rows, float32 activations and the kernel built, the C++
-  kernel; otherwise the XLA path (`xla_matmul`), except int4 on TPU where `qpallas.blocks` fits: its Pallas
-  kernel. Why the XLA path runs on CPU is logged once per reason."""
+  kernel; otherwise the XLA path (`xla_matmul`; on CPU its conversion ordered after x, `_after`), except int4
+  on TPU where `qpallas.blocks` fits: its Pallas kernel. Why the XLA path runs on CPU at few rows is logged
+  once per reason."""
   rows = x.shape[0]
-  xla = xla_matmul
+  default = xla_matmul
   if bits_of(q) == 4 and qpallas.blocks(rows, q.shape, scale.shape):  # on TPU, the Pallas int4 kernel
-    xla = lambda x, q, scale: jax.lax.platform_dependent(x, q, scale, tpu=qpallas.int4_matmul, default=xla_matmul)
-  limit = kernel_max_rows(bits_of(q))
-  why = None
-  if rows > limit:
-    why = None  # prefill: the XLA path by design, not a fallback
-  elif x.dtype != jnp.float32:
-    why = f"activations are {x.dtype}, the CPU kernel takes float32"
-  else:
-    why = qkernel.unavailable()
-  if rows > limit or why is not None:
-    if why is not None and jax.default_backend() == "cpu":
+    default = lambda x, q, scale: jax.lax.platform_dependent(x, q, scale, tpu=qpallas.int4_matmul, default=xla_matmul)
+  if rows > kernel_max_rows(bits_of(q)):  # prefill: the XLA path by design, not a fallback
+    return jax.lax.platform_dependent(x, q, scale, cpu=_xla_matmul_cpu, default=default)
+  why = f"activations are {x.dtype}, the CPU kernel takes float32" if x.dtype != jnp.float32 else qkernel.unavailable()
+  if why is not None:
+    if jax.default_backend() == "cpu":
       _log_once(why, f"quantized matmul: XLA path on CPU ({why})")
-    return xla(x, q, scale)
-  return jax.lax.platform_dependent(x, q, scale, cpu=qkernel.call, default=xla)
+    return jax.lax.platform_dependent(x, q, scale, cpu=_xla_matmul_cpu, default=default)
+  return jax.lax.platform_dependent(x, q, scale, cpu=qkernel.call, default=default)
 
 
 def quantized_shapes(k, n, bits, group):

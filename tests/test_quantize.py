@@ -104,7 +104,7 @@ def test_cpu_kernel_matches_xla_path(m, k, n, bits, group):
     np.testing.assert_array_equal(dense, w.T)  # the float layout is w^T itself
   _close(kernel, xla, x, dense)
   _close(kernel, x.astype(np.float64) @ dense.T.astype(np.float64), x, dense)
-  # the kernel up to KERNEL_MAX_ROWS rows, XLA's dot above
+  # the kernel up to KERNEL_MAX_ROWS rows, the XLA path above
   assert (qkernel.TARGETS[bits] in jax.jit(qmatmul.matmul).lower(x, q, s).as_text()) == (m <= qmatmul.kernel_max_rows(bits))
 
 
@@ -166,6 +166,37 @@ def test_forced_fallback_runs_the_xla_path_and_says_why_once(monkeypatch, caplog
     np.testing.assert_array_equal(out, jax.jit(qmatmul.xla_matmul)(x, q, s))
   lines = [r.getMessage() for r in caplog.records if "XLA path" in r.getMessage()]
   assert lines == ["quantized matmul: XLA path on CPU (JAXFORMER_QKERNEL=off)"]
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_prefill_converts_each_weight_right_before_its_product(monkeypatch, fallback):
+  """Prefill above `KERNEL_MAX_ROWS` rows (and, without the kernel, every call) takes the XLA path, whose int8/int4
+  weights are converted to float32 for the product. XLA:CPU's scheduler ran all those conversions first (they
+  read parameters only), so every weight was in float32 at once; `qmatmul._after` orders each after its
+  product's input. The compiled program's temporaries stay within two float32 weights of the float model's
+  (all four layers' would be 12 MiB more), and the prefill's logits equal the float model's of the
+  dequantized weights (within 1e-4)."""
+  from jaxformer import config as config_lib  # pylint: disable=g-import-not-at-top
+  from jaxformer import model as model_lib  # pylint: disable=g-import-not-at-top
+  if fallback:
+    monkeypatch.setitem(qkernel._STATE, "reason", "JAXFORMER_QKERNEL=off")
+  cfg = config_lib.load_config("gpt2_tiny", ["model.d_model=256", "model.d_ff=1024", "model.num_heads=4",
+                                             "model.num_layers=4", "model.max_len=512"]).model
+  model = model_lib.build_model(cfg)
+  params = jax.tree.map(np.asarray, jax.jit(model.init)(jax.random.key(0), jnp.ones((1, 8), jnp.int32))["params"])
+  params = jax.tree.map(lambda x: getattr(x, "value", x), params, is_leaf=lambda x: hasattr(x, "value"))
+  rows = max(qmatmul.GEMM_MAX_ROWS.values()) + 9
+  prompt = [list(np.random.default_rng(0).integers(3, cfg.vocab_size, rows))]
+  tokens, lengths = decode._left_pad(prompt, None)
+  cache = decode.init_cache(model, 1, rows)
+  temp = lambda p: decode._prefill_jit.lower(model, p, tokens, lengths, cache).compile().memory_analysis().temp_size_in_bytes
+  weight = 4 * cfg.d_model * cfg.d_ff  # the largest kernel in float32
+  for bits in (8, 4):
+    qparams = quantize.quantize_params(params, cfg, bits, 128, "float")[0]
+    assert temp(qparams) <= temp(params) + 2 * weight, bits
+    dequantized = quantize.roundtrip_params(params, cfg, bits, 128, "float")
+    got, want = (np.asarray(decode.prefill(model, jax.tree.map(jnp.asarray, p), prompt)[0]) for p in (qparams, dequantized))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
 def test_build_failure_is_a_reason_not_a_crash(monkeypatch, tmp_path):
@@ -389,7 +420,7 @@ def test_int4_products_lower_to_the_pallas_kernel_for_tpu():
 def test_an_avx2_build_has_no_blocked_product_and_streams_every_row(tmp_path):
   """The kernel built without AVX-512 (as on an AVX2-only CPU): `JfQmatmulGemmRows` says 0, so `qkernel.gemm_rows`
   would give None and `qmatmul.KERNEL_MAX_ROWS` bound the rows; its streaming loop still gives the XLA path's
-  products at 40 and 150 rows (int8) and 24 (int4)."""
+  products at 1-150 rows (int8) and 3-24 (int4)."""
   import ctypes  # pylint: disable=g-import-not-at-top
   import subprocess  # pylint: disable=g-import-not-at-top
   from jaxformer import qbuild  # pylint: disable=g-import-not-at-top
@@ -405,7 +436,7 @@ def test_an_avx2_build_has_no_blocked_product_and_streams_every_row(tmp_path):
   jax.ffi.register_ffi_target(targets[8], jax.ffi.pycapsule(lib.JfQmatmulInt8), platform="cpu")
   jax.ffi.register_ffi_target(targets[4], jax.ffi.pycapsule(lib.JfQmatmulInt4), platform="cpu")
   rng = np.random.default_rng(9)
-  for m, bits in ((40, 8), (150, 8), (24, 4)):
+  for m, bits in ((1, 8), (40, 8), (150, 8), (3, 4), (24, 4)):
     w = rng.standard_normal((256, 70)).astype(np.float32)
     q, s = _layout(w, bits, 64)
     x = rng.standard_normal((m, 256)).astype(np.float32)

@@ -1,0 +1,89 @@
+"""Quantized prefill by rows, through each CPU path: the C++ kernel and the XLA path, against float32.
+
+    python benchmarks/prefill_rows.py [--rows 8,16,24,32,64,128,256,512] [--rounds 15] [--bits 8,4]
+
+GPT-2 124M shapes (random weights; int8 tables, int4 group 128), one prompt of `rows` tokens through
+`decode.prefill`'s program. For each row count, in one process: float32, then per scheme its prompt's products
+forced onto the C++ kernel (`qkernel.call`) or onto the XLA path (the weights converted for XLA's GEMM right
+before each product, `qmatmul._after`); the head's one row stays on the kernel in both. The variants run in
+interleaved rounds (this machine's speed drifts by ~10% over a minute) and each prints its median time and
+its ratio to float32's. `qmatmul.GEMM_MAX_ROWS` (AVX-512 builds: the kernel's blocked product from 33 rows for
+int8, 16 for int4) and `KERNEL_MAX_ROWS` (other builds) are set from this table; the last column says which path
+the default picks.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from jaxformer import config as config_lib  # pylint: disable=g-import-not-at-top
+from jaxformer import decode, qkernel, qmatmul, quantize
+from jaxformer import model as model_lib
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--rows", default="8,16,24,32,64,128,256,512")
+  parser.add_argument("--rounds", type=int, default=15)
+  parser.add_argument("--bits", default="8,4")
+  args = parser.parse_args(argv)
+  if qkernel.unavailable():
+    sys.exit(f"prefill_rows: the C++ kernel is unavailable ({qkernel.unavailable()}): nothing to compare")
+  cfg = config_lib.load_config("gpt2_small", ["model.dtype=float32"])
+  model = model_lib.build_model(cfg.model)
+  floats = jax.tree.map(np.asarray, nn.unbox(jax.jit(model.init)(jax.random.key(0), jnp.ones((1, 8), jnp.int32))["params"]))
+  schemes = [int(b) for b in args.bits.split(",")]
+  params = {32: jax.tree.map(jnp.asarray, floats)}
+  for bits in schemes:
+    params[bits] = jax.tree.map(jnp.asarray, quantize.quantize_params(floats, cfg.model, bits, 128, "int8")[0])
+  tables = (qmatmul.KERNEL_MAX_ROWS, qmatmul.GEMM_MAX_ROWS)
+  saved = [dict(t) for t in tables]
+  defaults = {bits: qmatmul.kernel_max_rows(bits) for bits in schemes}
+  print(f"GPT-2 124M prefill, one prompt, medians of {args.rounds} interleaved rounds; "
+        f"the kernel up to {defaults} rows (blocked product from {qkernel.gemm_rows()} rows)", flush=True)
+  print(f"{'rows':>5} {'float32 ms':>11}" + "".join(f" {f'int{b} kernel':>13} {f'int{b} XLA':>13} {'picks':>7}"
+                                                  for b in schemes))
+  for rows in (int(r) for r in args.rows.split(",")):
+    prompt = [np.random.default_rng(rows).integers(3, 5000, rows).tolist()]
+    tokens, lengths = decode._left_pad(prompt, None)  # pylint: disable=protected-access
+    variants = {"float32": (32, None)}
+    for bits in schemes:
+      variants[f"int{bits} kernel"] = (bits, 10 ** 6)  # every call on the kernel
+      variants[f"int{bits} XLA"] = (bits, 1)           # calls of 2+ rows on the XLA path (the head's 1 row: kernel)
+    runs = {}
+    for name, (bits, limit) in variants.items():
+      if limit is not None:
+        for table in tables:
+          table[bits] = limit  # read when the program is traced, just below
+      # a new function for each variant: jit reuses a function's traced program for the same argument shapes
+      step = jax.jit(lambda *a: decode._prefill(*a), static_argnums=0)  # pylint: disable=protected-access,unnecessary-lambda
+      cache = decode.init_cache(model, 1, rows + 8)
+      run = (lambda step, p, cache: lambda: jax.block_until_ready(step(model, p, tokens, lengths, cache)))(
+          step, params[bits], cache)
+      run()
+      for table, values in zip(tables, saved):
+        table.update(values)
+      runs[name] = (run, [])
+    for _ in range(args.rounds):
+      for run, times in runs.values():
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    median = {name: float(np.median(times)) for name, (_, times) in runs.items()}
+    line = f"{rows:>5} {median['float32'] * 1e3:>11.1f}"
+    for bits in schemes:
+      picks = "kernel" if rows <= defaults[bits] else "XLA"
+      line += "".join(f" {median[f'int{bits} {path}'] / median['float32']:>12.2f}x" for path in ("kernel", "XLA"))
+      line += f" {picks:>7}"
+    print(line, flush=True)
+
+
+if __name__ == "__main__":
+  main()
