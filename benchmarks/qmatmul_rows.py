@@ -5,8 +5,8 @@
 One [rows, K] x [K, N] product (default: GPT-2 124M's FFN input projection), jitted, medians of 10
 calls after a compiling one; int8 per channel, int4 group 128 and float32 output-major (the serving
 engine's layout; `jaxformer.qmatmul`), each through the kernel (`qkernel.call`, whatever the rows: from
-JF_GEMM_ROWS rows on, its blocked product; float32 keeps the streaming loop) and the XLA path. Sets where `qmatmul.GEMM_MAX_ROWS` hands
-over to the XLA path.
+JF_GEMM_ROWS rows on, its blocked product; float32 keeps the streaming loop) and the XLA path. One product with its
+weights in cache; a model's prefill (`benchmarks/prefill_rows.py`) is what sets `qmatmul.GEMM_MAX_ROWS`.
 """
 
 import argparse
