@@ -1,6 +1,7 @@
 """Quantized prefill by rows, through each CPU path: the C++ kernel and the XLA path, against float32.
 
     python benchmarks/prefill_rows.py [--rows 8,16,24,32,64,128,256,512] [--rounds 15] [--bits 8,4]
+    python benchmarks/prefill_rows.py --memory [--rows 1,512]    # each default program's temporaries, no timing
 
 GPT-2 124M shapes (random weights; int8 tables, int4 group 128), one prompt of `rows` tokens through
 `decode.prefill`'s program. For each row count, in one process: float32, then per scheme its prompt's products
@@ -9,7 +10,8 @@ before each product, `qmatmul._after`); the head's one row stays on the kernel i
 interleaved rounds (this machine's speed drifts by ~10% over a minute) and each prints its median time and
 its ratio to float32's. `qmatmul.GEMM_MAX_ROWS` (AVX-512 builds: the kernel's blocked product from 33 rows for
 int8, 16 for int4) and `KERNEL_MAX_ROWS` (other builds) are set from this table; the last column says which path
-the default picks.
+the default picks. --memory prints instead the temporaries (`memory_analysis()`) of the programs the defaults
+compile, float32 and each scheme; it runs without the kernel too (`JAXFORMER_QKERNEL=off`: the XLA path).
 """
 
 import argparse
@@ -28,13 +30,27 @@ from jaxformer import decode, qkernel, qmatmul, quantize
 from jaxformer import model as model_lib
 
 
+def memory(model, params, rows_list):
+  """Prints the temporaries of `decode.prefill`'s program, as compiled with the default paths, per scheme and rows."""
+  print(f"GPT-2 124M prefill, temporaries (memory_analysis); C++ kernel: {qkernel.unavailable() or 'built'}")
+  for bits, p in params.items():
+    sizes = []
+    for rows in rows_list:
+      tokens, lengths = decode._left_pad([list(range(3, 3 + rows))], None)  # pylint: disable=protected-access
+      cache = decode.init_cache(model, 1, rows + 8)
+      compiled = jax.jit(decode._prefill, static_argnums=0).lower(model, p, tokens, lengths, cache).compile()  # pylint: disable=protected-access
+      sizes.append(f"{rows} rows {compiled.memory_analysis().temp_size_in_bytes / 2 ** 20:.1f} MiB")
+    print(f"{'float32' if bits == 32 else f'int{bits}'}: " + ", ".join(sizes), flush=True)
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--rows", default="8,16,24,32,64,128,256,512")
   parser.add_argument("--rounds", type=int, default=15)
   parser.add_argument("--bits", default="8,4")
+  parser.add_argument("--memory", action="store_true", help="the default programs' temporaries, no timing")
   args = parser.parse_args(argv)
-  if qkernel.unavailable():
+  if qkernel.unavailable() and not args.memory:
     sys.exit(f"prefill_rows: the C++ kernel is unavailable ({qkernel.unavailable()}): nothing to compare")
   cfg = config_lib.load_config("gpt2_small", ["model.dtype=float32"])
   model = model_lib.build_model(cfg.model)
@@ -43,6 +59,8 @@ def main(argv=None):
   params = {32: jax.tree.map(jnp.asarray, floats)}
   for bits in schemes:
     params[bits] = jax.tree.map(jnp.asarray, quantize.quantize_params(floats, cfg.model, bits, 128, "int8")[0])
+  if args.memory:
+    return memory(model, params, [int(r) for r in args.rows.split(",")])
   tables = (qmatmul.KERNEL_MAX_ROWS, qmatmul.GEMM_MAX_ROWS)
   saved = [dict(t) for t in tables]
   defaults = {bits: qmatmul.kernel_max_rows(bits) for bits in schemes}

@@ -118,7 +118,7 @@ def _after(q, x):
 
   The conversion reads only parameters, and XLA:CPU's scheduler (which runs what it can concurrently) put every
   product's conversion at the program's start: GPT-2's 512-token prefill then held all its weights in float32 at
-  once (361 MB of temporaries against float32's 29), page-faulted in on every call, and took 1.19x float32's time
+  once (344.6 MiB of temporaries against float32's 27.4: `benchmarks/prefill_rows.py --memory`), page-faulted in on every call, and took 1.19x float32's time
   (an optimization barrier does not hold: XLA:CPU removes it). min(x's bits as uint32, 0) is 0 for every x, which
   XLA does not fold away (tests/test_quantize.py checks the temporaries)."""
   if x.size == 0 or q.dtype == jnp.float32:  # a float32 kernel is not converted
@@ -158,14 +158,13 @@ def matmul(x, q, scale):
   default = xla_matmul
   if bits_of(q) == 4 and qpallas.blocks(rows, q.shape, scale.shape):  # on TPU, the Pallas int4 kernel
     default = lambda x, q, scale: jax.lax.platform_dependent(x, q, scale, tpu=qpallas.int4_matmul, default=xla_matmul)
-  if rows > kernel_max_rows(bits_of(q)):  # prefill: the XLA path by design, not a fallback
-    return jax.lax.platform_dependent(x, q, scale, cpu=_xla_matmul_cpu, default=default)
-  why = f"activations are {x.dtype}, the CPU kernel takes float32" if x.dtype != jnp.float32 else qkernel.unavailable()
-  if why is not None:
+  if rows <= kernel_max_rows(bits_of(q)):  # decode: the C++ kernel where it runs (prefill: the XLA path by design)
+    why = f"activations are {x.dtype}, the CPU kernel takes float32" if x.dtype != jnp.float32 else qkernel.unavailable()
+    if why is None:
+      return jax.lax.platform_dependent(x, q, scale, cpu=qkernel.call, default=default)
     if jax.default_backend() == "cpu":
       _log_once(why, f"quantized matmul: XLA path on CPU ({why})")
-    return jax.lax.platform_dependent(x, q, scale, cpu=_xla_matmul_cpu, default=default)
-  return jax.lax.platform_dependent(x, q, scale, cpu=qkernel.call, default=default)
+  return jax.lax.platform_dependent(x, q, scale, cpu=_xla_matmul_cpu, default=default)
 
 
 def quantized_shapes(k, n, bits, group):
