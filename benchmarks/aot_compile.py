@@ -22,7 +22,7 @@ CONTEXT slots, on one chip, nothing sharded), float or with the int8/int4 weight
 writes, printed next to `inspect`'s weight and KV-cache bytes:
 
     /work/venv-tpu/bin/python benchmarks/aot_compile.py --topology v6e-1 --config llama3_8b --batch 1 \
-        --decode 2048 [--quantize 8|4 [--group-size 128] [--embedding int8|float]] [--param-dtype bfloat16]
+        --decode 2048 [--quantize 8|4 [--group-size 128] [--embedding int8|int4|float]] [--param-dtype bfloat16]
 
 (the model holds float32 params whatever model.dtype is; --param-dtype bfloat16 casts the float
 leaves, as a bfloat16 checkpoint would be read; a quantized model's scales stay float32).
@@ -103,7 +103,7 @@ def main(argv=None):
                       help="compile one decode step with a KV cache of CONTEXT slots (one chip) instead of a train step")
   parser.add_argument("--quantize", type=int, default=None, metavar="8|4", help="with --decode: int8 or int4 weights")
   parser.add_argument("--group-size", type=int, default=128, help="with --quantize 4: inputs per scale (default 128)")
-  parser.add_argument("--embedding", default="int8", help="with --quantize: tables int8 (default) or float")
+  parser.add_argument("--embedding", default="int8", help="with --quantize: tables int8 (default), int4 or float")
   parser.add_argument("--param-dtype", default=None, help="with --decode: float32 (the model's) or bfloat16")
   parser.add_argument("--serve-decode", type=int, default=None, metavar="CONTEXT",
                       help="compile the serving engine's decode step (Pallas paged attention) for BATCH slots")

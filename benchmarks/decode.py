@@ -17,7 +17,7 @@ compiling call; memory is the process's peak RSS so far (a running maximum) and 
 device's peak where JAX reports one.
 
     python benchmarks/decode.py --config gpt2_small model.dtype=float32 --quantize 8,4 --batch 1 \
-        [--group-size 128] [--embedding int8|float]
+        [--group-size 128] [--embedding int8|int4|float]
 
 With --quantize: the same random weights in float32 and quantized (`jaxformer.quantize`, int8 and/or
 int4), side by side in interleaved rounds: prefill time, decode ms per step (one token per row: the
@@ -94,7 +94,7 @@ def main(argv=None):
   parser.add_argument("--fast", action="store_true", help="smoke run: batch 2, 8 + 8 tokens, 1 repeat")
   parser.add_argument("--quantize", default=None, help="e.g. 8,4: float32 against quantized weights, side by side")
   parser.add_argument("--group-size", type=int, default=128, help="int4 group (with --quantize)")
-  parser.add_argument("--embedding", default="int8", choices=("int8", "float"), help="tables (with --quantize)")
+  parser.add_argument("--embedding", default="int8", choices=("int8", "int4", "float"), help="tables (with --quantize)")
   args = parser.parse_intermixed_args(argv)
   runtime.keep_freed_memory()  # as `jaxformer.generate` does
   if args.fast:

@@ -1,7 +1,7 @@
 """Quality of quantized weights on a trained LM: validation NLL and greedy agreement, float32 vs int8/int4.
 
     python benchmarks/quantize_quality.py --workdir runs/shakespeare_char [--bits 8,4] [--group-size 128] \
-        [--prompts 20] [--prompt-len 32] [--new-tokens 100] [--embedding int8|float]
+        [--prompts 20] [--prompt-len 32] [--new-tokens 100] [--embedding int8|int4|float]
 
 Quantizes the run's latest checkpoint with `jaxformer.quantize` into temporary workdirs, reads
 each back with `evaluate.load_run` (as eval.py and generate do), and reports per variant:
@@ -33,7 +33,7 @@ def main(argv=None):
   parser.add_argument("--workdir", required=True)
   parser.add_argument("--bits", default="8,4")
   parser.add_argument("--group-size", type=int, default=128)
-  parser.add_argument("--embedding", default="int8", choices=("int8", "float"))
+  parser.add_argument("--embedding", default="int8", choices=("int8", "int4", "float"))
   parser.add_argument("--prompts", type=int, default=20)
   parser.add_argument("--prompt-len", type=int, default=32)
   parser.add_argument("--new-tokens", type=int, default=100)

@@ -4,7 +4,7 @@
       [--batch 1] [--context 4096,32768] [--seq-len 8192]
   python -m jaxformer.inspect --config llama3_8b --mesh fsdp=64 [--batch 64] [model.remat=full ...]
   python -m jaxformer.inspect --config llama3_8b train.lora_rank=16 --batch 1 --seq-len 2048 model.remat=full
-  python -m jaxformer.inspect --config llama3_8b --quantize 8|4 [--group-size 128] [--embedding int8|float]
+  python -m jaxformer.inspect --config llama3_8b --quantize 8|4 [--group-size 128] [--embedding int8|int4|float]
 
 Shapes come from `jax.eval_shape(model.init)`: nothing is allocated, and the counts are
 the model's own rather than a formula that could drift from it. `DEVICES`, `peak_flops`
@@ -510,8 +510,9 @@ def _weights_section(cfg, dtype, manifest):
            f"{q['total'] / 2**30:.2f} GiB, {q['total'] / plain:.3f}x of {plain / 2**30:.2f} GiB in {dtype}",
            f"  kernels {gib(q['kernels'])}  {n} weights: {kernel}"]
   if tables:
-    lines.append(f"  tables  {gib(q['tables'])}  {tables} (token embeddings, untied output layer): int8 + a float32 "
-                 "scale per row")
+    table = ("int8 + a float32 scale per row" if manifest["embedding"] == "int8" else
+             f"int4 + a float32 scale per {group} of d_model")
+    lines.append(f"  tables  {gib(q['tables'])}  {tables} (token embeddings, untied output layer): {table}")
   lines.append(f"  float   {gib(q['float'])}  the rest in {dtype}"
                f"{' (embeddings and output layer included: --embedding float)' if not tables else ''}")
   return lines
@@ -600,8 +601,8 @@ def main(argv):
                            "and the decode roofline on them")
   parser.add_argument("--group-size", type=int, default=128, help="with --quantize 4: inputs per scale (default 128)")
   parser.add_argument("--embedding", default="int8",
-                      help="with --quantize: token embeddings and an untied output layer int8 per row (default) "
-                           "or float")
+                      help="with --quantize: token embeddings and an untied output layer int8 per row (default), "
+                           "int4 in groups along d_model, or float")
   args = parser.parse_intermixed_args(argv)  # overrides before, between or after flags
   try:
     contexts = [int(c.replace("_", "")) for c in args.context.split(",") if c.strip()]

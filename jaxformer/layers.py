@@ -141,8 +141,8 @@ def dense(cfg, features, names, axis=-1, name=None, use_bias=None):
 class Embed(nn.Module):
   """Token embedding table [vocab, d_model]; `attend` reuses it as the output layer.
 
-  A quantized workdir may hold the table as int8 rows with a scale per row (`qkernel` [vocab,
-  d_model], `qscale` [vocab]: `jaxformer.qmatmul`'s int8 format, vocab as the outputs)."""
+  A quantized workdir may hold the table in `jaxformer.qmatmul`'s int8 or int4 format, vocab as the outputs
+  (`qkernel` int8 [vocab, d_model] + `qscale` [vocab], or uint8 [vocab, d_model / 2] + [vocab, d_model / group])."""
   cfg: ModelConfig
 
   def setup(self):
@@ -162,7 +162,7 @@ class Embed(nn.Module):
     # like `ids` (over the batch); else XLA gathers embed-sharded rows and reshards them.
     if self.quantized is not None:
       q, scale = self.quantized
-      x = (jnp.take(q, ids, axis=0).astype(jnp.float32) * jnp.take(scale, ids, axis=0)[..., None]).astype(self.cfg.dtype)
+      x = qmatmul.lookup(q, scale, ids.reshape(-1)).reshape(*ids.shape, -1).astype(self.cfg.dtype)
     else:
       table = nn.with_logical_constraint(self.embedding, ("vocab", None))
       x = jnp.take(table, ids, axis=0).astype(self.cfg.dtype)

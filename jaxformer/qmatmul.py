@@ -98,6 +98,18 @@ def dequantize(q, scale, dtype=jnp.float32):
   return (w.reshape(n, groups, k // groups) * scale[:, :, None].astype(dtype)).reshape(n, k)
 
 
+def lookup(q, scale, ids):
+  """Rows `ids` [T] (int) of a quantized table (int8 [V, D] + scale [V], or int4 uint8 [V, D / 2] + scale
+  [V, D / group]) -> float32 [T, D]: the token embeddings' lookup, reading only those rows.
+
+  One id is looked up twice: the TPU compiler makes a one-row gather a dynamic slice, for which it re-tiles
+  the whole int8/uint8 table from its (32, 128) tiles to (8, 128) each call (Llama 3.1 8B's batch-1 decode
+  step: a 525 MB copy to read one 4 KB row); two rows stay a gather of the table as it lies
+  (`benchmarks/aot_compile.py --decode`, BENCHMARKS.md "Quantized weights, part 5")."""
+  rows = jnp.concatenate([ids, ids]) if ids.shape[0] == 1 else ids
+  return dequantize(jnp.take(q, rows, axis=0), jnp.take(scale, rows, axis=0))[:ids.shape[0]]
+
+
 bits_of = qkernel.bits_of  # 8, 4 or 32: the scheme of a `qkernel`
 
 
@@ -176,21 +188,27 @@ def quantized_shapes(k, n, bits, group):
           "qscale": jax.ShapeDtypeStruct((n, k // g), jnp.float32)}
 
 
+# How `plan_manifest` stores the token embeddings and an untied output layer (`--embedding`): int8 with a scale per
+# vocabulary row, int4 in groups along d_model (the kernels' int4 format, vocabulary rows as the outputs), or float.
+EMBEDDINGS = ("int8", "int4", "float")
+
+
 def plan_manifest(shapes, quantizable, bits, group_size=128, embedding="int8", flag="--bits"):
   """The manifest `quantize.quantize_params` writes for float params of these shapes, from the shapes
   alone (no weights): {"bits", "group_size", "embedding", "kernels": {path: {"k", "n"[, "bits"][, "experts"]}}}.
 
   shapes: {param path 'a/b/kernel': shape} of the float params (unrolled layers); quantizable:
   `model.quantizable`'s {path: (n_in, kind)}. A dense kernel [*in (n_in axes), *out] is K = prod(in)
-  by N = prod(out); an embedding table [vocab, d_model] is K = d_model, N = vocab (int8); the output
-  layer [d_model, vocab] K = d_model, N = vocab (int8); an MoE expert weight [experts, K, N].
+  by N = prod(out); an embedding table [vocab, d_model] is K = d_model, N = vocab; the output
+  layer [d_model, vocab] K = d_model, N = vocab (both int8, or int4 with embedding="int4", in groups
+  along d_model); an MoE expert weight [experts, K, N].
   With embedding="float" the tables and the output layer are left out (stay float). `flag` names
   the bits in the errors (UserError, one line) for a scheme the shapes do not allow."""
-  if embedding not in ("int8", "float"):
-    raise UserError(f"--embedding {embedding}: int8 or float")
+  if embedding not in EMBEDDINGS:
+    raise UserError(f"--embedding {embedding}: int8, int4 or float")
   if bits not in (8, 4):
     raise UserError(f"{flag} {bits}: 8 or 4")
-  if bits == 4 and (group_size < 2 or group_size % 2):
+  if (bits == 4 or embedding == "int4") and (group_size < 2 or group_size % 2):
     raise UserError(f"--group-size {group_size}: a positive even number (e.g. 128)")
   kernels = {}
   for path, (n_in, kind) in quantizable.items():
@@ -199,7 +217,11 @@ def plan_manifest(shapes, quantizable, bits, group_size=128, embedding="int8", f
       if embedding == "float":
         continue
       k, n = (shape[1], shape[0]) if kind == "embedding" else (shape[0], shape[1])
-      kernels[path] = {"k": k, "n": n, "bits": 8}
+      table_bits = 8 if embedding == "int8" else 4
+      if table_bits == 4 and (k % group_for(k, group_size) or group_for(k, group_size) % 2):
+        raise UserError(f"--embedding int4: d_model {k} is not a multiple of --group-size {group_size} (or is odd): "
+                        f"choose a group size that divides it, or use --embedding int8")
+      kernels[path] = {"k": k, "n": n, "bits": table_bits}
       continue
     if kind == "dense":
       k = math.prod(shape[:n_in])
@@ -220,7 +242,7 @@ def param_bytes(shapes, manifest=None, dtype="float32"):
 
   shapes: {param path: shape} of the float params (unrolled layers); each manifest path counts as
   its quantized leaves (`quantized_shapes`: int8 [N, K] + float32 [N], or uint8 [N, K / 2] + float32
-  [N, K / group], per expert for an MoE weight): `tables` the int8 embedding tables and output
+  [N, K / group], per expert for an MoE weight): `tables` the embedding tables and output
   layer, `kernels` the other quantized weights; every other leaf is `float`, at `dtype`."""
   itemsize = jnp.dtype(dtype).itemsize
   entries = (manifest or {}).get("kernels", {})

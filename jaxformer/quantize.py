@@ -6,7 +6,7 @@ Every dense projection's kernel (attention q/k/v/out, FFN, cross-attention) and 
 expert weight is stored as `jaxformer.qmatmul` describes: int8 with a float32 scale per output
 channel, or int4 (two per byte) with a float32 scale per `--group-size` inputs of an output.
 The token embeddings and an untied output layer become int8 with a scale per vocabulary row
-(`--embedding float` keeps them float32); position tables, MoE routers, norms and biases stay float32. The new workdir holds
+(`--embedding int4`: int4 in groups along d_model, as the kernels; `--embedding float` keeps them float32); position tables, MoE routers, norms and biases stay float32. The new workdir holds
 the run's config and tokenizer, a params-only checkpoint and `quantization.json` (the scheme and
 the quantized paths); `eval.py`, `python -m jaxformer.generate` and `jaxformer.evaluate.load_run`
 read it through the same model code (the Dense layers multiply by the quantized kernel).
@@ -43,8 +43,8 @@ def _get(tree, path):
 
 def quantize_params(params, model_cfg, bits, group_size=128, embedding="int8"):
   """(quantized params, manifest): `params` (unrolled layers) with every `quantizable` weight replaced:
-  the projections in `bits`, the token embeddings and the untied output layer in int8 (a scale per
-  vocabulary row) unless embedding="float".
+  the projections in `bits`, the token embeddings and the untied output layer as `embedding` says: "int8"
+  (a scale per vocabulary row), "int4" (groups of `group_size` along d_model) or "float" (left as they are).
 
   manifest: {"bits", "group_size", "embedding", "kernels": {path: {"k", "n"[, "bits"][, "experts"]}}},
   as `quantization.json` holds it."""
@@ -64,9 +64,9 @@ def quantize_params(params, model_cfg, bits, group_size=128, embedding="int8"):
     node = _get(params, "/".join(parents))
     w = node.pop(leaf)
     if kind == "embedding":  # [vocab, d_model]: the rows are the outputs of `attend`
-      node["qkernel"], node["qscale"] = quant(w.T, 8)
+      node["qkernel"], node["qscale"] = quant(w.T, entry["bits"])
     elif kind == "output":
-      node["qkernel"], node["qscale"] = quant(w, 8)
+      node["qkernel"], node["qscale"] = quant(w, entry["bits"])
     elif kind == "dense":
       node["qkernel"], node["qscale"] = quant(w.reshape(entry["k"], -1))
     else:  # [experts, in, out]
@@ -148,8 +148,9 @@ def main(argv=None):
   parser.add_argument("--bits", type=int, required=True, choices=(8, 4))
   parser.add_argument("--group-size", type=int, default=128, help="int4: inputs per scale (default 128)")
   parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
-  parser.add_argument("--embedding", default="int8", choices=("int8", "float"),
-                      help="the token embeddings and an untied output layer: int8 per row (default) or float32")
+  parser.add_argument("--embedding", default="int8", choices=qmatmul.EMBEDDINGS,
+                      help="the token embeddings and an untied output layer: int8 per row (default), int4 in groups "
+                           "of --group-size along d_model, or float32")
   args = parser.parse_args(argv)
   quantize_run(args.workdir, args.out, args.bits, args.group_size, args.step, args.embedding)
 

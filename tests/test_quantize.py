@@ -209,12 +209,51 @@ def test_build_failure_is_a_reason_not_a_crash(monkeypatch, tmp_path):
   assert reason.startswith("the C++ kernel is unavailable: building qmatmul.cc, paged_attention.cc failed: broken compiler")
 
 
+@pytest.mark.parametrize("bits,vocab,d_model,group", [(8, 37, 24, 0), (4, 37, 24, 8), (4, 50, 64, 64)])
+def test_table_lookup_equals_numpy_rows(bits, vocab, d_model, group):
+  """`qmatmul.lookup` (the quantized embeddings' lookup) gives the numpy reference's dequantized rows, exactly,
+  for repeated ids and the last row of an odd vocabulary."""
+  rng = np.random.default_rng(bits + vocab)
+  table = rng.standard_normal((vocab, d_model)).astype(np.float32)
+  q, s = qmatmul.quantize_int8(table.T) if bits == 8 else qmatmul.quantize_int4(table.T, group)
+  reference = _ref_int8(table.T) if bits == 8 else _ref_int4(table.T, group)   # [vocab, d_model]
+  for ids in ([vocab - 1, 0, 3, 3, vocab // 2], [vocab - 1], [2]):  # one id: looked up twice (TPU), one row back
+    got = qmatmul.lookup(jnp.asarray(q), jnp.asarray(s), jnp.asarray(ids, jnp.int32))
+    np.testing.assert_array_equal(np.asarray(got), reference[ids])
+
+
+@pytest.mark.parametrize("dtype,width,scales", [(jnp.int8, 1024, ()), (jnp.uint8, 1024, (16,))])
+def test_one_token_lookup_reads_the_table_as_it_lies_on_tpu(dtype, width, scales):
+  """Compiled by the TPU compiler (libtpu's deviceless v6e chip; skipped without libtpu, as in CI): one id through
+  `jnp.take` makes XLA re-tile a large int8/uint8 table (a copy of all of it in the temporaries, every decode step);
+  through `qmatmul.lookup` nothing is copied. The int8 table and the int4 (packed) one of a 131,072-row vocabulary."""
+  pytest.importorskip("libtpu")
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  chip = topologies.get_topology_desc(platform="tpu", topology_name="v6e:1x1", chip_config_name="default",
+                                      chips_per_host_bounds=(1, 1, 1), num_slices=1).devices[0]
+  place = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=jax.sharding.SingleDeviceSharding(chip))
+  q, s, ids = place((131072, width), dtype), place((131072, *scales), jnp.float32), place((1,), jnp.int32)
+  temporaries = lambda f: jax.jit(f).lower(q, s, ids).compile().memory_analysis().temp_size_in_bytes
+  assert temporaries(lambda q, s, i: qmatmul.dequantize(jnp.take(q, i, axis=0), jnp.take(s, i, axis=0))) >= 131072 * width
+  assert temporaries(qmatmul.lookup) < 131072 * width / 100
+
+
+def test_int4_tables_need_a_group_that_divides_d_model():
+  from jaxformer import config as config_lib, inspect  # pylint: disable=g-import-not-at-top
+  cfg = config_lib.load_config("gpt2_tiny")
+  with pytest.raises(UserError, match="--embedding int4: d_model 32 is not a multiple of --group-size 24"):
+    inspect.quantized_manifest(cfg, 8, 24, "int4")
+  with pytest.raises(UserError, match="--embedding int2: int8, int4 or float"):
+    inspect.quantized_manifest(cfg, 8, 128, "int2")
+
+
 def _logits(model, params, ids):
   return np.asarray(model.apply({"params": params}, ids))
 
 
 @pytest.mark.parametrize("name,bits,embedding", [("gpt2", 8, "int8"), ("gpt2", 4, "float"), ("llama", 8, "float"),
-                                                  ("llama", 4, "int8"), ("mixtral", 4, "int8")])
+                                                  ("llama", 4, "int8"), ("mixtral", 4, "int8"), ("gpt2", 4, "int4"),
+                                                  ("llama", 8, "int4")])
 def test_quantized_workdir_equals_the_dequantized_float_model(converted, tmp_path, name, bits, embedding):
   workdir, cfg, model, params, _ = converted(name)
   group = 16
@@ -225,7 +264,12 @@ def test_quantized_workdir_equals_the_dequantized_float_model(converted, tmp_pat
   assert any(x.dtype == (jnp.int8 if bits == 8 else jnp.uint8) for x in leaves)
   assert not any("router" in p for p in manifest["kernels"])  # routing stays float32
   tables = [p for p in manifest["kernels"] if p.endswith("/embedding") or p.startswith("logits/")]
-  assert all(manifest["kernels"][p]["bits"] == 8 for p in tables) and bool(tables) == (embedding == "int8")
+  table_bits = {"int8": 8, "int4": 4}.get(embedding)
+  assert all(manifest["kernels"][p]["bits"] == table_bits for p in tables) and bool(tables) == (embedding != "float")
+  if embedding == "int4":  # packed two a byte, a scale per group of d_model
+    q, scale = quantize._quantized_leaves(qparams, "embed/embedding")
+    assert q.dtype == jnp.uint8 and q.shape == (cfg.model.vocab_size, cfg.model.d_model // 2)
+    assert scale.shape == (cfg.model.vocab_size, cfg.model.d_model // group)
   if name == "mixtral":
     assert any("experts" in v for v in manifest["kernels"].values())
   reference = quantize.roundtrip_params(params, cfg.model, bits, group, embedding)
@@ -336,14 +380,15 @@ def test_inspect_weight_bytes_equal_quantize_params_output(name, overrides):
   params = jax.tree.map(np.asarray, params)
   params = jax.tree.map(lambda x: getattr(x, "value", x), params, is_leaf=lambda x: hasattr(x, "value"))
   assert inspect.weight_bytes(cfg, "float32")["total"] == quantize.tree_bytes(params)
-  for bits, group, embedding in ((8, 128, "int8"), (8, 128, "float"), (4, 16, "int8"), (4, 128, "float")):
+  for bits, group, embedding in ((8, 128, "int8"), (8, 128, "float"), (4, 16, "int8"), (4, 128, "float"),
+                                 (8, 16, "int4"), (4, 16, "int4")):
     qparams, manifest = quantize.quantize_params(params, cfg.model, bits, group, embedding)
     predicted = inspect.weight_bytes(cfg, "float32", inspect.quantized_manifest(cfg, bits, group, embedding))
     assert inspect.quantized_manifest(cfg, bits, group, embedding) == manifest
     assert predicted["total"] == quantize.tree_bytes(qparams), (bits, group, embedding)
     tables = sum(np.asarray(x).nbytes for p, e in manifest["kernels"].items() if "bits" in e
                  for x in quantize._quantized_leaves(qparams, p))
-    assert predicted["tables"] == tables and bool(tables) == (embedding == "int8")
+    assert predicted["tables"] == tables and bool(tables) == (embedding != "float")
     # bfloat16: the float leaves at 2 bytes, the quantized ones as they are
     half = inspect.weight_bytes(cfg, "bfloat16", manifest)
     assert half["float"] * 2 == predicted["float"] and half["kernels"] == predicted["kernels"]
@@ -366,22 +411,22 @@ def test_inspect_cli_quantized(capsys):
 def test_compile_decode_step_argument_bytes():
   """`aot.compile_decode_step` from abstract params on this CPU: XLA's arguments shrink by exactly the
   bytes `inspect.weight_bytes` predicts, and the quantized kernels' share of them is at most 0.27x
-  (int8) / 0.15x (int4) of their float32 bytes."""
+  (int8) / 0.15x (int4) of their float32 bytes, the tables' too (int8 tables, or `--embedding int4`)."""
   from jaxformer import aot, config as config_lib, inspect  # pylint: disable=g-import-not-at-top
   cfg = config_lib.load_config("llama_tiny", ["model.d_model=128", "model.d_ff=256", "model.vocab_size=256"])
   args = {}
-  for bits in (None, 8, 4):
-    compiled, _, _ = aot.compile_decode_step(cfg, jax.devices()[:1], 1, 32, bits=bits)
-    args[bits] = aot.memory(compiled)["argument"]
+  for bits, embedding in ((None, "int8"), (8, "int8"), (4, "int8"), (4, "int4")):
+    compiled, _, _ = aot.compile_decode_step(cfg, jax.devices()[:1], 1, 32, bits=bits, embedding=embedding)
+    args[bits, embedding] = aot.memory(compiled)["argument"]
   plain = inspect.weight_bytes(cfg, "float32")["total"]
-  for bits, limit in ((8, 0.27), (4, 0.15)):
-    manifest = inspect.quantized_manifest(cfg, bits)
+  for bits, embedding, limit, table_limit in ((8, "int8", 0.27, 0.27), (4, "int8", 0.15, 0.27), (4, "int4", 0.15, 0.15)):
+    manifest = inspect.quantized_manifest(cfg, bits, embedding=embedding)
     predicted = inspect.weight_bytes(cfg, "float32", manifest)
-    assert args[None] - args[bits] == plain - predicted["total"]  # XLA gets exactly the predicted bytes
+    assert args[None, "int8"] - args[bits, embedding] == plain - predicted["total"]  # XLA gets the predicted bytes
     as_float = lambda tables: sum(4 * e["k"] * e["n"] * e.get("experts", 1) for e in manifest["kernels"].values()
                                   if ("bits" in e) == tables)
     assert predicted["kernels"] <= limit * as_float(False)  # the int8/int4 kernels
-    assert predicted["tables"] <= 0.27 * as_float(True)     # the int8 tables (embeddings, output layer)
+    assert predicted["tables"] <= table_limit * as_float(True)  # the int8/int4 tables (embeddings, output layer)
   with pytest.raises(UserError, match="decoder-only"):
     aot.compile_decode_step(config_lib.load_config("tiny_encdec"), jax.devices()[:1], 1, 8)
 
