@@ -43,11 +43,12 @@ QUANT_PARAMS = ("qkernel", "qscale")
 # float32 (`benchmarks/dense_layout.py kernel`, GPT-2's decode products + head): the kernel 0.5x XLA's time at 16
 # rows, 0.57x at 32; at 144 rows ~1.6x, where XLA's blocked GEMM reuses the activations better.
 KERNEL_MAX_ROWS = {8: 32, 4: 32, 32: 32}
-# With the blocked product (AVX-512 builds, `qkernel.gemm_rows`), the same table: int8 0.98x / 1.16x / 1.06x at
-# 64 / 128 / 256 rows (XLA path 1.04x / 1.11x / 1.05x), int4 0.73x at 32 and 1.08x at 64-256 (1.27x, 1.19-1.09x);
-# at 512 rows 1.19x for both, where the XLA path takes 0.99-1.00x: the XLA path from 257 rows. float32 (the serving
-# engine's prompt chunks): XLA's dot from 33 rows (a 128-token prefill call 93 ms against 101-106 through it).
-GEMM_MAX_ROWS = {8: 256, 4: 256, 32: 32}
+# With the blocked product (AVX-512 builds, `qkernel.gemm_rows`), the same table (BENCHMARKS.md "Quantized weights,
+# part 6", 21 rounds): int8 1.04x at 64 and 80 rows (XLA path 1.09x), 1.08-1.11x at 96-256 (XLA path 1.04-1.08x):
+# the XLA path from 81 rows; int4 1.06-1.10x at 64-256 (XLA path 1.11-1.20x), 1.24x at 512 (1.03x): from 257.
+# float32 (the serving engine's prompt chunks): XLA's dot from 33 rows (a 128-token prefill call 93 ms against
+# 101-106 through it).
+GEMM_MAX_ROWS = {8: 80, 4: 256, 32: 32}
 
 
 def quantize_int8(w):
