@@ -45,7 +45,7 @@ QUANT_PARAMS = ("qkernel", "qscale")
 KERNEL_MAX_ROWS = {8: 32, 4: 32, 32: 32}
 # With the blocked product (AVX-512 builds, `qkernel.gemm_rows`), the same table (BENCHMARKS.md "Quantized weights,
 # part 6", 21 rounds): int8 1.04x at 64 and 80 rows (XLA path 1.09x), 1.08-1.11x at 96-256 (XLA path 1.04-1.08x):
-# the XLA path from 81 rows; int4 1.06-1.10x at 64-256 (XLA path 1.11-1.20x), 1.24x at 512 (1.03x): from 257.
+# the XLA path from 81 rows; int4 1.06-1.10x at 64-256 (XLA path 1.11-1.20x), 1.19x at 512 (1.07x): from 257.
 # float32 (the serving engine's prompt chunks): XLA's dot from 33 rows (a 128-token prefill call 93 ms against
 # 101-106 through it).
 GEMM_MAX_ROWS = {8: 80, 4: 256, 32: 32}
