@@ -43,12 +43,13 @@ QUANT_PARAMS = ("qkernel", "qscale")
 # float32 (`benchmarks/dense_layout.py kernel`, GPT-2's decode products + head): the kernel 0.5x XLA's time at 16
 # rows, 0.57x at 32; at 144 rows ~1.6x, where XLA's blocked GEMM reuses the activations better.
 KERNEL_MAX_ROWS = {8: 32, 4: 32, 32: 32}
-# With the blocked product (AVX-512 builds, `qkernel.gemm_rows`), the same table (BENCHMARKS.md "Quantized weights,
-# part 6", 21 rounds): int8 1.04x at 64 and 80 rows (XLA path 1.09x), 1.08-1.11x at 96-256 (XLA path 1.04-1.08x):
-# the XLA path from 81 rows; int4 1.06-1.10x at 64-256 (XLA path 1.11-1.20x), 1.19x at 512 (1.07x): from 257.
+# With the blocked product (AVX-512 builds, `qkernel.gemm_rows`; on XLA's thread pool), the same table
+# (BENCHMARKS.md "Quantized weights, part 6", 21 rounds): int8 0.82x / 0.89x / 0.97x at 64 / 128 / 256 rows (XLA
+# path 1.04-1.06x), int4 0.85x / 0.90x / 1.00x (1.09-1.16x); at 384-512 rows the two paths are within 1-3% of
+# each other (1.01-1.05x): the XLA path from 257 rows.
 # float32 (the serving engine's prompt chunks): XLA's dot from 33 rows (a 128-token prefill call 93 ms against
 # 101-106 through it).
-GEMM_MAX_ROWS = {8: 80, 4: 256, 32: 32}
+GEMM_MAX_ROWS = {8: 256, 4: 256, 32: 32}
 
 
 def quantize_int8(w):

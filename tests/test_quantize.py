@@ -127,13 +127,15 @@ def test_float_kernel_rows_do_not_depend_on_the_batch(k, n):
 
 def test_cpu_kernel_split_across_workers_from_concurrent_callers():
   """Products big enough to be split over the kernel's worker threads (>= 256 KiB of weights), called from
-  four Python threads at once (concurrent XLA executions: one gets the workers, the others run inline):
-  every result equals the XLA path's, call after call."""
+  four Python threads at once (concurrent XLA executions: one gets the workers, the others run inline), and
+  prefill-sized ones (AVX-512 builds: the blocked product, in pieces on XLA's intra-op pool, several calls'
+  pieces at once): every result equals the XLA path's, call after call."""
   if qkernel.unavailable():
     pytest.skip(qkernel.unavailable())
   rng = np.random.default_rng(7)
   cases = []
-  for m, k, n, bits in ((1, 768, 1000, 8), (4, 1024, 700, 4), (3, 768, 1200, 8), (1, 2048, 600, 4), (16, 768, 500, 32)):
+  for m, k, n, bits in ((1, 768, 1000, 8), (4, 1024, 700, 4), (3, 768, 1200, 8), (1, 2048, 600, 4), (16, 768, 500, 32),
+                        (64, 768, 1000, 8), (40, 1024, 700, 4)):
     w = rng.standard_normal((k, n)).astype(np.float32)
     q, s = _layout(w, bits, 128)
     x = rng.standard_normal((m, k)).astype(np.float32)

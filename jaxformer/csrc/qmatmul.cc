@@ -16,6 +16,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <functional>
+#include <memory>
 #include <cstdint>
 #include <mutex>
 #include <thread>
@@ -283,6 +284,9 @@ void F32Outputs(const float* x, const float* w, const float* s, float* y, int64_
 // int4's rows are converted with the even inputs first, then the odd ones (the nibbles as they lie), and the
 // panels' k follow the same order. AVX-512 only.
 #if defined(__AVX512F__)
+#ifndef JF_POOL_CHUNKS
+#define JF_POOL_CHUNKS 4   // pieces per pool thread, claimed as threads come free
+#endif
 constexpr int kTileOut = 12;   // outputs per tile (broadcast)
 constexpr int kPanel = 32;     // rows per panel (two vectors)
 constexpr int64_t kBlockBytes = 1 << 20;  // packed rows per block: 1 MiB (half this CPU's 2 MiB L2 per core)
@@ -316,7 +320,33 @@ inline void Transpose16(const float* src, int64_t ss, float* dst, int64_t ds) {
 
 // x [M, K] -> panels [ceil(M / 32)][K][32] (rows past M zero), split over the workers by panel; evens_first:
 // k in the order 0, 2, 4, ..., 1, 3, 5, ... (int4). Full 16 x 16 blocks are transposed in registers.
-std::vector<float> PackRows(const float* x, int64_t M, int64_t K, bool evens_first) {
+// f(begin, end) over [0, n) in `chunks` pieces claimed one at a time by this thread and by helpers scheduled on
+// XLA's intra-op pool (`ffi::ThreadPool`): the blocked product's calls take milliseconds, and run on our own
+// workers they left XLA's threads asleep, so the norms, activations and cache writes after each call ran at half
+// speed (GPT-2's 128-row prefill: 13.8-15.5 ms of those ops against float32's 6.7-8.5, 6.1 on the pool;
+// `benchmarks/prefill_profile.py`, BENCHMARKS.md "Quantized weights, part 6"). A helper that starts after the last
+// piece was claimed finds nothing and touches only `state`; the caller waits only for pieces already claimed.
+template <typename F>
+void PoolFor(ffi::ThreadPool& pool, int64_t n, F f, int64_t chunks) {
+  chunks = std::max<int64_t>(1, std::min(n, chunks));
+  struct State { std::atomic<int64_t> next{0}, done{0}; };
+  auto state = std::make_shared<State>();
+  std::function<void(int64_t)> job = [&](int64_t c) { f(n * c / chunks, n * (c + 1) / chunks); };
+  const std::function<void(int64_t)>* jp = &job;
+  auto work = [state, jp, chunks] {
+    for (int64_t c; (c = state->next.fetch_add(1, std::memory_order_acq_rel)) < chunks;) {
+      (*jp)(c);
+      state->done.fetch_add(1, std::memory_order_acq_rel);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), chunks) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(work)(work));  // (a copy: Schedule takes an rvalue)
+  work();
+  while (state->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+}
+
+template <typename For>
+std::vector<float> PackRows(const float* x, int64_t M, int64_t K, bool evens_first, For parallel_for) {
   const int64_t panels = (M + kPanel - 1) / kPanel, half = K / 2;
   std::vector<float> out(panels * K * kPanel), reordered;
   if (evens_first) {
@@ -328,7 +358,7 @@ std::vector<float> PackRows(const float* x, int64_t M, int64_t K, bool evens_fir
       }
     x = reordered.data();
   }
-  ParallelFor(panels, M * K * 4, [&](int64_t p0, int64_t p1) {
+  parallel_for(panels, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
       for (int64_t g = 0; g < kPanel; g += 16) {
         const int64_t m0 = p * kPanel + g;
@@ -339,7 +369,7 @@ std::vector<float> PackRows(const float* x, int64_t M, int64_t K, bool evens_fir
         for (; k < K; ++k)
           for (int64_t r = 0; r < 16; ++r) o[k * kPanel + r] = m0 + r < M ? x[(m0 + r) * K + k] : 0.0f;
       }
-  }, 1);
+  });
   return out;
 }
 
@@ -477,7 +507,7 @@ inline void ConvertInt4(const uint8_t* q, const float* s, int64_t K, int64_t gro
   }
 
 ffi::Error Int8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
-                    ffi::Buffer<ffi::F32> s, ffi::ResultBuffer<ffi::F32> y) {
+                    ffi::Buffer<ffi::F32> s, ffi::ResultBuffer<ffi::F32> y, ffi::ThreadPool pool) {
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = q.dimensions()[0];
   if (q.dimensions()[1] != K || s.element_count() != N)
     return ffi::Error::InvalidArgument("qmatmul int8: shapes do not match x [M, K], q [N, K], s [N]");
@@ -487,12 +517,15 @@ ffi::Error Int8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
   float* yp = y->typed_data();
 #if defined(__AVX512F__)
   if (M >= kGemmRows) {
-    const std::vector<float> packed = PackRows(xp, M, K, false);
-    ParallelFor(N, N * K, [&](int64_t n0, int64_t n1) {
-      GemmOutputs(packed.data(), M, K, N, yp, n0, n1, qp, K, [&](int64_t n, int mr, float* buf, int64_t ws) {
+    const int64_t chunks = JF_POOL_CHUNKS * std::max<int64_t>(pool.num_threads(), 1);
+    const std::vector<float> packed = PackRows(xp, M, K, false, [&](int64_t n, auto f) { PoolFor(pool, n, f, chunks); });
+    const int64_t tiles = (N + kTileOut - 1) / kTileOut;
+    PoolFor(pool, tiles, [&](int64_t t0, int64_t t1) {
+      GemmOutputs(packed.data(), M, K, N, yp, t0 * kTileOut, std::min(N, t1 * kTileOut), qp, K,
+                  [&](int64_t n, int mr, float* buf, int64_t ws) {
         for (int i = 0; i < mr; ++i) ConvertInt8(qp + (n + i) * K, sp[n + i], K, buf + i * ws);
       });
-    });
+    }, chunks);
     return ffi::Error::Success();
   }
 #endif
@@ -503,7 +536,7 @@ ffi::Error Int8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
 }
 
 ffi::Error Int4Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q,
-                    ffi::Buffer<ffi::F32> s, ffi::ResultBuffer<ffi::F32> y) {
+                    ffi::Buffer<ffi::F32> s, ffi::ResultBuffer<ffi::F32> y, ffi::ThreadPool pool) {
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = q.dimensions()[0];
   if (s.dimensions().size() != 2) return ffi::Error::InvalidArgument("qmatmul int4: scales must be [N, groups]");
   const int64_t groups = s.dimensions()[1];
@@ -516,12 +549,15 @@ ffi::Error Int4Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q,
     const uint8_t* qp = q.typed_data();
     const float* sp = s.typed_data();
     float* yp = y->typed_data();
-    const std::vector<float> packed = PackRows(xp, M, K, true);
-    ParallelFor(N, N * half, [&](int64_t n0, int64_t n1) {
-      GemmOutputs(packed.data(), M, K, N, yp, n0, n1, qp, half, [&](int64_t n, int mr, float* buf, int64_t ws) {
+    const int64_t chunks = JF_POOL_CHUNKS * std::max<int64_t>(pool.num_threads(), 1);
+    const std::vector<float> packed = PackRows(xp, M, K, true, [&](int64_t n, auto f) { PoolFor(pool, n, f, chunks); });
+    const int64_t tiles = (N + kTileOut - 1) / kTileOut;
+    PoolFor(pool, tiles, [&](int64_t t0, int64_t t1) {
+      GemmOutputs(packed.data(), M, K, N, yp, t0 * kTileOut, std::min(N, t1 * kTileOut), qp, half,
+                  [&](int64_t n, int mr, float* buf, int64_t ws) {
         for (int i = 0; i < mr; ++i) ConvertInt4(qp + (n + i) * half, sp + (n + i) * groups, K, groups, buf + i * ws);
       });
-    });
+    }, chunks);
     return ffi::Error::Success();
   }
 #endif
@@ -559,14 +595,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JfQmatmulInt8, Int8Impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ctx<ffi::ThreadPool>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JfQmatmulInt4, Int4Impl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ctx<ffi::ThreadPool>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JfMatmulF32, F32Impl,
                               ffi::Ffi::Bind()

@@ -15,9 +15,10 @@
 
 namespace jaxformer {
 
-// Our own workers for the split products, not XLA's pool: a decode step makes ~70 short calls (50-300 us
+// Our own workers for the split decode products, not XLA's pool: a decode step makes ~70 short calls (50-300 us
 // each), and waking a sleeping pool thread for each cost tens of microseconds (a 64 x 64 product took 53 us
-// through the pool, 2 us inline). A worker spins (yielding its core to anything runnable) for kSpin after
+// through the pool, 2 us inline). (The blocked prefill product, milliseconds a call, runs on XLA's pool instead:
+// qmatmul.cc's PoolFor.) A worker spins (yielding its core to anything runnable) for kSpin after
 // each job, so the next call finds it awake, then sleeps on a condition variable: an idle process burns
 // nothing. One caller at a time: a second concurrent caller (another XLA execution) runs inline.
 class Workers {
