@@ -458,6 +458,19 @@ void GemmOutputs(const float* packed, int64_t M, int64_t K, int64_t N, float* y,
   }
 }
 
+// The blocked product of x [M, K] with the stored weights (row_bytes a row; convert as GemmOutputs takes it): the
+// rows packed, then the outputs in tiles, both in pieces on XLA's pool (PoolFor).
+template <typename Convert>
+void GemmOnPool(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N, float* y, const void* stored,
+                int64_t row_bytes, bool evens_first, Convert convert) {
+  const int64_t chunks = JF_POOL_CHUNKS * std::max<int64_t>(pool.num_threads(), 1);
+  const std::vector<float> packed = PackRows(x, M, K, evens_first,
+                                             [&](int64_t n, auto f) { PoolFor(pool, n, f, chunks); });
+  PoolFor(pool, (N + kTileOut - 1) / kTileOut, [&](int64_t t0, int64_t t1) {
+    GemmOutputs(packed.data(), M, K, N, y, t0 * kTileOut, std::min(N, t1 * kTileOut), stored, row_bytes, convert);
+  }, chunks);
+}
+
 // int8 row n (K bytes) times its scale -> K floats.
 inline void ConvertInt8(const int8_t* q, float s, int64_t K, float* out) {
   const __m512 sv = _mm512_set1_ps(s);
@@ -517,15 +530,9 @@ ffi::Error Int8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
   float* yp = y->typed_data();
 #if defined(__AVX512F__)
   if (M >= kGemmRows) {
-    const int64_t chunks = JF_POOL_CHUNKS * std::max<int64_t>(pool.num_threads(), 1);
-    const std::vector<float> packed = PackRows(xp, M, K, false, [&](int64_t n, auto f) { PoolFor(pool, n, f, chunks); });
-    const int64_t tiles = (N + kTileOut - 1) / kTileOut;
-    PoolFor(pool, tiles, [&](int64_t t0, int64_t t1) {
-      GemmOutputs(packed.data(), M, K, N, yp, t0 * kTileOut, std::min(N, t1 * kTileOut), qp, K,
-                  [&](int64_t n, int mr, float* buf, int64_t ws) {
-        for (int i = 0; i < mr; ++i) ConvertInt8(qp + (n + i) * K, sp[n + i], K, buf + i * ws);
-      });
-    }, chunks);
+    GemmOnPool(pool, xp, M, K, N, yp, qp, K, false, [&](int64_t n, int mr, float* buf, int64_t ws) {
+      for (int i = 0; i < mr; ++i) ConvertInt8(qp + (n + i) * K, sp[n + i], K, buf + i * ws);
+    });
     return ffi::Error::Success();
   }
 #endif
@@ -549,15 +556,9 @@ ffi::Error Int4Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q,
     const uint8_t* qp = q.typed_data();
     const float* sp = s.typed_data();
     float* yp = y->typed_data();
-    const int64_t chunks = JF_POOL_CHUNKS * std::max<int64_t>(pool.num_threads(), 1);
-    const std::vector<float> packed = PackRows(xp, M, K, true, [&](int64_t n, auto f) { PoolFor(pool, n, f, chunks); });
-    const int64_t tiles = (N + kTileOut - 1) / kTileOut;
-    PoolFor(pool, tiles, [&](int64_t t0, int64_t t1) {
-      GemmOutputs(packed.data(), M, K, N, yp, t0 * kTileOut, std::min(N, t1 * kTileOut), qp, half,
-                  [&](int64_t n, int mr, float* buf, int64_t ws) {
-        for (int i = 0; i < mr; ++i) ConvertInt4(qp + (n + i) * half, sp + (n + i) * groups, K, groups, buf + i * ws);
-      });
-    }, chunks);
+    GemmOnPool(pool, xp, M, K, N, yp, qp, half, true, [&](int64_t n, int mr, float* buf, int64_t ws) {
+      for (int i = 0; i < mr; ++i) ConvertInt4(qp + (n + i) * half, sp + (n + i) * groups, K, groups, buf + i * ws);
+    });
     return ffi::Error::Success();
   }
 #endif
