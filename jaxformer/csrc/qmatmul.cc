@@ -319,11 +319,11 @@ inline void Transpose16(const float* src, int64_t ss, float* dst, int64_t ds) {
 }
 
 // f(begin, end) over [0, n) in `chunks` pieces claimed one at a time by this thread and by helpers scheduled on
-// XLA's intra-op pool (`ffi::ThreadPool`): the blocked product's calls take milliseconds, and run on our own
-// workers they left XLA's threads asleep, so the norms, activations and cache writes after each call ran at half
-// speed (GPT-2's 128-row prefill: 13.8-15.5 ms of those ops against float32's 6.7-8.5, 6.1 on the pool;
-// `benchmarks/prefill_profile.py`, BENCHMARKS.md "Quantized weights, part 6"). A helper that starts after the last
-// piece was claimed finds nothing and touches only `state`; the caller waits only for pieces already claimed.
+// XLA's intra-op pool (`ffi::ThreadPool`). The blocked product's calls take milliseconds; run on our own workers
+// they left XLA's threads idle (asleep, likely), and the norms, activations and cache writes after each call ran
+// at half speed (GPT-2's 128-row prefill: 13.8-15.5 ms of those ops against float32's 6.7-8.5, 6.1 on the pool;
+// `benchmarks/prefill_profile.py`, BENCHMARKS.md "Quantized weights, part 6"). A helper that starts after the
+// last piece was claimed finds nothing and touches only `state`; the caller waits only for pieces claimed.
 template <typename F>
 void PoolFor(ffi::ThreadPool& pool, int64_t n, F f, int64_t chunks) {
   chunks = std::max<int64_t>(1, std::min(n, chunks));
