@@ -289,7 +289,7 @@ void F32Outputs(const float* x, const float* w, const float* s, float* y, int64_
 #endif
 constexpr int kTileOut = 12;   // outputs per tile (broadcast)
 constexpr int kPanel = 32;     // rows per panel (two vectors)
-constexpr int64_t kBlockBytes = 1 << 20;  // packed rows per block: 1 MiB, to stay in a core's L2 (1-2 MiB where measured)
+constexpr int64_t kBlockBytes = 1 << 20;  // packed rows per block: 1 MiB, to stay in a core's L2 (1-2 MiB here)
 
 // dst[i][j] = src[j][i] for a 16 x 16 block (row strides ss, ds).
 inline void Transpose16(const float* src, int64_t ss, float* dst, int64_t ds) {
