@@ -43,6 +43,7 @@ from jaxformer import config as config_lib  # pylint: disable=g-import-not-at-to
 from jaxformer import decode
 from jaxformer import inspect as inspect_lib
 from jaxformer import model as model_lib
+from jaxformer import qmatmul
 from jaxformer import runtime
 
 
@@ -94,7 +95,7 @@ def main(argv=None):
   parser.add_argument("--fast", action="store_true", help="smoke run: batch 2, 8 + 8 tokens, 1 repeat")
   parser.add_argument("--quantize", default=None, help="e.g. 8,4: float32 against quantized weights, side by side")
   parser.add_argument("--group-size", type=int, default=128, help="int4 group (with --quantize)")
-  parser.add_argument("--embedding", default="int8", choices=("int8", "int4", "float"), help="tables (with --quantize)")
+  parser.add_argument("--embedding", default="int8", choices=qmatmul.EMBEDDINGS, help="tables (with --quantize)")
   args = parser.parse_intermixed_args(argv)
   runtime.keep_freed_memory()  # as `jaxformer.generate` does
   if args.fast:

@@ -8,7 +8,8 @@ onto the C++ kernel or the XLA path). Each program runs --runs times under `jax.
 every op's median duration is summed by class: the projections (2-D dots and the kernel's custom calls, the LM
 head included), the attention's dots, and everything else (norms, activations, cache writes, conversions).
 `overlap` is how much of the op time ran concurrently with other ops (XLA:CPU runs independent ops at once):
-sum of durations minus their union, per run. `wall` is the median run.
+sum of durations minus their union, per run. `wall` is the median run. The header gives this machine's float32
+matmul rate (`inspect.matmul_peak`, best of 5 [2048, 2048] products) to set the projections against.
 """
 
 import argparse
@@ -21,15 +22,13 @@ import re
 import sys
 import tempfile
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from jaxformer import config as config_lib  # pylint: disable=g-import-not-at-top
-from jaxformer import decode, qmatmul, quantize
-from jaxformer import model as model_lib
+from prefill_rows import gpt2_params, prefill_program  # pylint: disable=g-import-not-at-top,wrong-import-position
+from jaxformer import inspect  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def classes(hlo_text, rows):
@@ -81,41 +80,25 @@ def main(argv=None):
   parser.add_argument("--path", default="default", choices=("default", "kernel", "xla"))
   parser.add_argument("--runs", type=int, default=5)
   args = parser.parse_args(argv)
-  cfg = config_lib.load_config("gpt2_small", ["model.dtype=float32"])
-  model = model_lib.build_model(cfg.model)
-  floats = jax.tree.map(np.asarray, nn.unbox(jax.jit(model.init)(jax.random.key(0), jnp.ones((1, 8), jnp.int32))["params"]))
-  params = {"float32": jax.tree.map(jnp.asarray, floats)}
-  for bits in (int(b) for b in args.bits.split(",")):
-    params[f"int{bits}"] = jax.tree.map(jnp.asarray, quantize.quantize_params(floats, cfg.model, bits, 128, "int8")[0])
-  prompt = [np.random.default_rng(args.rows).integers(3, 5000, args.rows).tolist()]
-  tokens, lengths = decode._left_pad(prompt, None)  # pylint: disable=protected-access
+  model, params = gpt2_params([int(b) for b in args.bits.split(",")])
   limit = {"default": None, "kernel": 10 ** 6, "xla": 1}[args.path]
   print(f"GPT-2 124M prefill of {args.rows} tokens, quantized products: {args.path} path; medians of {args.runs} "
-        f"traced runs (ms)")
+        f"traced runs (ms); float32 2048^3 matmul here: {inspect.matmul_peak(2048) / 1e9:.0f} GFLOP/s")
   print(f"{'':10} {'wall':>7} {'projections':>12} {'attention':>10} {'other':>7} {'overlap':>8}")
-  for name, p in params.items():
-    tables = (qmatmul.KERNEL_MAX_ROWS, qmatmul.GEMM_MAX_ROWS)
-    saved = [dict(t) for t in tables]
-    if limit is not None and name != "float32":
-      for table in tables:
-        table[int(name[3:])] = limit  # read when the program is traced, just below
-    step = jax.jit(lambda *a: decode._prefill(*a), static_argnums=0)  # pylint: disable=protected-access,unnecessary-lambda
-    cache = decode.init_cache(model, 1, args.rows + 8)
-    kinds = classes(step.lower(model, p, tokens, lengths, cache).compile().as_text(), args.rows)
-    run = lambda: jax.block_until_ready(step(model, p, tokens, lengths, cache))  # pylint: disable=cell-var-from-loop
-    for _ in range(3):
+  for bits, p in params.items():
+    run, compiled = prefill_program(model, p, bits, args.rows, None if bits == 32 else limit)
+    kinds = classes(compiled.as_text(), args.rows)
+    for _ in range(2):
       run()
-    for table, values in zip(tables, saved):
-      table.update(values)
     per_op, per_run = profile(run, args.runs)
     by = collections.Counter()
     for op, times in per_op.items():
       by[kinds.get(op, "other")] += float(np.median(times))
     wall = float(np.median([r[0] for r in per_run]))
     overlap = float(np.median([r[1] - r[2] for r in per_run]))
+    name = "float32" if bits == 32 else f"int{bits}"
     print(f"{name:10} {wall:7.1f} {by['projections']:12.1f} {by['attention']:10.1f} {by['other']:7.1f} {overlap:8.1f}",
           flush=True)
-
 
 if __name__ == "__main__":
   main()

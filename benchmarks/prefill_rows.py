@@ -30,6 +30,42 @@ from jaxformer import decode, qkernel, qmatmul, quantize
 from jaxformer import model as model_lib
 
 
+def gpt2_params(schemes):
+  """(model, {32: float32 params, bits: quantized params per scheme}): GPT-2 124M, random weights, int8 tables,
+  int4 group 128."""
+  cfg = config_lib.load_config("gpt2_small", ["model.dtype=float32"])
+  model = model_lib.build_model(cfg.model)
+  floats = jax.tree.map(np.asarray, nn.unbox(jax.jit(model.init)(jax.random.key(0), jnp.ones((1, 8), jnp.int32))["params"]))
+  params = {32: jax.tree.map(jnp.asarray, floats)}
+  for bits in schemes:
+    params[bits] = jax.tree.map(jnp.asarray, quantize.quantize_params(floats, cfg.model, bits, 128, "int8")[0])
+  return model, params
+
+
+def prefill_program(model, params, bits, rows, limit=None):
+  """(run, compiled): `decode.prefill`'s program for one prompt of `rows` tokens on `params` (scheme `bits`),
+  compiled and run once. limit: the kernel's row limit for `bits` while tracing (10 ** 6: every quantized product
+  on the C++ kernel; 1: calls of 2+ rows on the XLA path, the head's one row on the kernel); None: the defaults."""
+  prompt = [np.random.default_rng(rows).integers(3, 5000, rows).tolist()]
+  tokens, lengths = decode._left_pad(prompt, None)  # pylint: disable=protected-access
+  tables = (qmatmul.KERNEL_MAX_ROWS, qmatmul.GEMM_MAX_ROWS)
+  saved = [dict(t) for t in tables]
+  if limit is not None:
+    for table in tables:
+      table[bits] = limit  # read when the program is traced, just below
+  try:
+    # a new function each time: jit reuses a function's traced program for the same argument shapes
+    step = jax.jit(lambda *a: decode._prefill(*a), static_argnums=0)  # pylint: disable=protected-access,unnecessary-lambda
+    cache = decode.init_cache(model, 1, rows + 8)
+    compiled = step.lower(model, params, tokens, lengths, cache).compile()
+    run = lambda: jax.block_until_ready(compiled(params, tokens, lengths, cache))
+    run()
+  finally:
+    for table, values in zip(tables, saved):
+      table.update(values)
+  return run, compiled
+
+
 def memory(model, params, rows_list):
   """Prints the temporaries of `decode.prefill`'s program, as compiled with the default paths, per scheme and rows."""
   print(f"GPT-2 124M prefill, temporaries (memory_analysis); C++ kernel: {qkernel.unavailable() or 'built'}")
@@ -52,43 +88,22 @@ def main(argv=None):
   args = parser.parse_args(argv)
   if qkernel.unavailable() and not args.memory:
     sys.exit(f"prefill_rows: the C++ kernel is unavailable ({qkernel.unavailable()}): nothing to compare")
-  cfg = config_lib.load_config("gpt2_small", ["model.dtype=float32"])
-  model = model_lib.build_model(cfg.model)
-  floats = jax.tree.map(np.asarray, nn.unbox(jax.jit(model.init)(jax.random.key(0), jnp.ones((1, 8), jnp.int32))["params"]))
   schemes = [int(b) for b in args.bits.split(",")]
-  params = {32: jax.tree.map(jnp.asarray, floats)}
-  for bits in schemes:
-    params[bits] = jax.tree.map(jnp.asarray, quantize.quantize_params(floats, cfg.model, bits, 128, "int8")[0])
+  model, params = gpt2_params(schemes)
   if args.memory:
     return memory(model, params, [int(r) for r in args.rows.split(",")])
-  tables = (qmatmul.KERNEL_MAX_ROWS, qmatmul.GEMM_MAX_ROWS)
-  saved = [dict(t) for t in tables]
   defaults = {bits: qmatmul.kernel_max_rows(bits) for bits in schemes}
   print(f"GPT-2 124M prefill, one prompt, medians of {args.rounds} interleaved rounds; "
         f"the kernel up to {defaults} rows (blocked product from {qkernel.gemm_rows()} rows)", flush=True)
   print(f"{'rows':>5} {'float32 ms':>11}" + "".join(f" {f'int{b} kernel':>13} {f'int{b} XLA':>13} {'picks':>7}"
                                                   for b in schemes))
   for rows in (int(r) for r in args.rows.split(",")):
-    prompt = [np.random.default_rng(rows).integers(3, 5000, rows).tolist()]
-    tokens, lengths = decode._left_pad(prompt, None)  # pylint: disable=protected-access
     variants = {"float32": (32, None)}
     for bits in schemes:
       variants[f"int{bits} kernel"] = (bits, 10 ** 6)  # every call on the kernel
       variants[f"int{bits} XLA"] = (bits, 1)           # calls of 2+ rows on the XLA path (the head's 1 row: kernel)
-    runs = {}
-    for name, (bits, limit) in variants.items():
-      if limit is not None:
-        for table in tables:
-          table[bits] = limit  # read when the program is traced, just below
-      # a new function for each variant: jit reuses a function's traced program for the same argument shapes
-      step = jax.jit(lambda *a: decode._prefill(*a), static_argnums=0)  # pylint: disable=protected-access,unnecessary-lambda
-      cache = decode.init_cache(model, 1, rows + 8)
-      run = (lambda step, p, cache: lambda: jax.block_until_ready(step(model, p, tokens, lengths, cache)))(
-          step, params[bits], cache)
-      run()
-      for table, values in zip(tables, saved):
-        table.update(values)
-      runs[name] = (run, [])
+    runs = {name: (prefill_program(model, params[bits], bits, rows, limit)[0], [])
+            for name, (bits, limit) in variants.items()}
     for _ in range(args.rounds):
       for run, times in runs.values():
         start = time.perf_counter()

@@ -24,6 +24,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from jaxformer import decode  # pylint: disable=g-import-not-at-top
 from jaxformer import evaluate
+from jaxformer import qmatmul
 from jaxformer import quantize
 from jaxformer import tasks
 
@@ -33,7 +34,7 @@ def main(argv=None):
   parser.add_argument("--workdir", required=True)
   parser.add_argument("--bits", default="8,4")
   parser.add_argument("--group-size", type=int, default=128)
-  parser.add_argument("--embedding", default="int8", choices=("int8", "int4", "float"))
+  parser.add_argument("--embedding", default="int8", choices=qmatmul.EMBEDDINGS)
   parser.add_argument("--prompts", type=int, default=20)
   parser.add_argument("--prompt-len", type=int, default=32)
   parser.add_argument("--new-tokens", type=int, default=100)

@@ -107,7 +107,7 @@ def lookup(q, scale, ids):
   One id is looked up twice: the TPU compiler makes a one-row gather a dynamic slice, for which it re-tiles
   the whole int8/uint8 table from its (32, 128) tiles to (8, 128) each call (Llama 3.1 8B's batch-1 decode
   step: a 525 MB copy to read one 4 KB row); two rows stay a gather of the table as it lies
-  (`benchmarks/aot_compile.py --decode`, BENCHMARKS.md "Quantized weights, part 5")."""
+  (`benchmarks/tpu_lookup.py`, `benchmarks/aot_compile.py --decode`; BENCHMARKS.md "Quantized weights, part 5")."""
   rows = jnp.concatenate([ids, ids]) if ids.shape[0] == 1 else ids
   return dequantize(jnp.take(q, rows, axis=0), jnp.take(scale, rows, axis=0))[:ids.shape[0]]
 

@@ -329,11 +329,9 @@ void PoolFor(ffi::ThreadPool& pool, int64_t n, F f, int64_t chunks) {
   chunks = std::max<int64_t>(1, std::min(n, chunks));
   struct State { std::atomic<int64_t> next{0}, done{0}; };
   auto state = std::make_shared<State>();
-  std::function<void(int64_t)> job = [&](int64_t c) { f(n * c / chunks, n * (c + 1) / chunks); };
-  const std::function<void(int64_t)>* jp = &job;
-  auto work = [state, jp, chunks] {
+  auto work = [state, &f, n, chunks] {  // f is only reached through a claimed piece, which the caller waits for
     for (int64_t c; (c = state->next.fetch_add(1, std::memory_order_acq_rel)) < chunks;) {
-      (*jp)(c);
+      f(n * c / chunks, n * (c + 1) / chunks);
       state->done.fetch_add(1, std::memory_order_acq_rel);
     }
   };
