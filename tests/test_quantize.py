@@ -88,7 +88,11 @@ def _layout(w, bits, group=0):
                                               # prefill rows: the blocked product (panels of 32 rows, tiles of 12)
                                               (48, 768, 130, 8, 0), (130, 257, 29, 8, 0), (64, 96, 7, 4, 32),
                                               (100, 130, 9, 4, 130), (77, 1024, 603, 4, 128), (48, 37, 13, 32, 0),
-                                              (144, 768, 300, 32, 0), (150, 4096, 37, 8, 0)])   # 3 row blocks of 64
+                                              (144, 768, 300, 32, 0), (150, 4096, 37, 8, 0),
+                                              # inputs in chunks (GemmOutputs: 768 at most; int4's halves apart,
+                                              # a group across a chunk's edge), rows in two blocks; rows in two
+                                              # slabs (packed rows over 16 MiB)
+                                              (400, 3000, 29, 8, 0), (300, 1800, 25, 4, 72), (1100, 4096, 13, 4, 128)])
 def test_cpu_kernel_matches_xla_path(m, k, n, bits, group):
   reason = qkernel.unavailable()
   if reason:

@@ -289,12 +289,22 @@ void F32Outputs(const float* x, const float* w, const float* s, float* y, int64_
 #endif
 constexpr int kTileOut = 12;   // outputs per tile (broadcast)
 constexpr int kPanel = 32;     // rows per panel (two vectors)
-constexpr int64_t kBlockBytes = 1 << 20;  // packed rows per block: 1 MiB, to stay in a core's L2 (1-2 MiB here)
+#ifndef JF_BLOCK_KIB
+#define JF_BLOCK_KIB 1024
+#endif
+#ifndef JF_CHUNK
+#define JF_CHUNK 768
+#endif
+constexpr int64_t kBlockBytes = JF_BLOCK_KIB << 10;  // packed rows per block, to stay in a core's L2 (1-2 MiB here)
+constexpr int64_t kChunk = JF_CHUNK;  // inputs per pass (GemmOutputs)
+#ifndef JF_SLAB_MIB
+#define JF_SLAB_MIB 16
+#endif
+constexpr int64_t kSlabBytes = int64_t{JF_SLAB_MIB} << 20;  // the most a call's packed rows take (GemmOnPool)
 
-// dst[i][j] = src[j][i] for a 16 x 16 block (row strides ss, ds).
-inline void Transpose16(const float* src, int64_t ss, float* dst, int64_t ds) {
-  __m512 r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * ss);
+// dst[i][j] = r[j][i] for a 16 x 16 block held in registers (dst's row stride ds).
+inline void Transpose16(__m512 r[16], float* dst, int64_t ds) {
+  __m512 t[16];
   for (int i = 0; i < 16; i += 2) {
     t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
     t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
@@ -342,46 +352,67 @@ void PoolFor(ffi::ThreadPool& pool, int64_t n, F f, int64_t chunks) {
 }
 
 // x [M, K] -> panels [ceil(M / 32)][K][32] (rows past M zero), split by panel through parallel_for(n, f);
-// evens_first: k in the order 0, 2, 4, ..., 1, 3, 5, ... (int4). Full 16 x 16 blocks are transposed in registers.
+// evens_first: k in the order 0, 2, 4, ..., 1, 3, 5, ... (int4). Full 16 x 16 blocks are transposed in registers,
+// int4's taken apart into evens and odds on the way in (32 inputs, two loads, one permutation): done as a pass of
+// its own, on one thread, the reordering took ~10% of an int4 product at 512 rows and K = 3072.
 template <typename For>
 std::vector<float> PackRows(const float* x, int64_t M, int64_t K, bool evens_first, For parallel_for) {
   const int64_t panels = (M + kPanel - 1) / kPanel, half = K / 2;
-  std::vector<float> out(panels * K * kPanel), reordered;
-  if (evens_first) {
-    reordered.resize(M * K);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t j = 0; j < half; ++j) {
-        reordered[m * K + j] = x[m * K + 2 * j];
-        reordered[m * K + half + j] = x[m * K + 2 * j + 1];
-      }
-    x = reordered.data();
-  }
+  std::vector<float> out(panels * K * kPanel);
+  const __m512i evens = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odds = _mm512_add_epi32(evens, _mm512_set1_epi32(1));
+  // where packed input k comes from in a row of x
+  auto column = [&](int64_t k) { return !evens_first ? k : k < half ? 2 * k : 2 * (k - half) + 1; };
   parallel_for(panels, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
       for (int64_t g = 0; g < kPanel; g += 16) {
         const int64_t m0 = p * kPanel + g;
         float* o = out.data() + p * K * kPanel + g;
-        int64_t k = 0;
-        if (m0 + 16 <= M)
-          for (; k + 16 <= K; k += 16) Transpose16(x + m0 * K + k, K, o + k * kPanel, kPanel);
-        for (; k < K; ++k)
-          for (int64_t r = 0; r < 16; ++r) o[k * kPanel + r] = m0 + r < M ? x[(m0 + r) * K + k] : 0.0f;
+        for (int64_t k = 0; k < K; k += 16) {
+          const int64_t end = std::min(K, k + 16);
+          __m512 r[16];
+          if (m0 + 16 <= M && end == k + 16 && !evens_first) {
+            for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(x + (m0 + i) * K + k);
+          } else if (m0 + 16 <= M && evens_first && (end <= half || k >= half) && end == k + 16) {
+            const float* src = x + m0 * K + 2 * (k < half ? k : k - half);  // 32 inputs, the wanted half of them
+            for (int i = 0; i < 16; ++i)
+              r[i] = _mm512_permutex2var_ps(_mm512_loadu_ps(src + i * K), k < half ? evens : odds,
+                                            _mm512_loadu_ps(src + i * K + 16));
+          } else {  // a block at an edge: rows past M, inputs past K, or across int4's halves
+            for (int64_t c = k; c < end; ++c)
+              for (int64_t i = 0; i < 16; ++i) o[c * kPanel + i] = m0 + i < M ? x[(m0 + i) * K + column(c)] : 0.0f;
+            continue;
+          }
+          Transpose16(r, o + k * kPanel, kPanel);
+        }
       }
   });
   return out;
 }
 
-// y[m0 + r, n0 + i] for r < 16 NV (rows < M), i < MR = sum_k w[i * ws + k] * panel[k][r]; NV = 1 for a last
-// panel of at most 16 rows (its zero half not computed).
+// The next tile's stored weights for the current chunk of inputs: `rows` rows of `lines` cache lines each, `stride`
+// bytes apart, fetched into L2 a line per step while this tile's first panel computes: in a model's chain of
+// products the weights come from DRAM, and converting a tile would otherwise wait for them (GPT-2's 48 products +
+// head at 128 rows, on float32 weights when they still took this path: 131.6 ms without, 117.2 with; BENCHMARKS.md,
+// "Quantized weights, part 3").
+struct Ahead {
+  const char* const* line = nullptr;  // the lines' addresses
+  int64_t lines = 0;
+};
+
+// For r < 16 NV (rows < M) and i < MR, the (row m0 + r, output n0 + i) sum over this chunk's kn inputs of
+// w[i * ws + k] * panel[k][r], continuing the sums the last chunk left in part [MR][32] (first: from zero); the
+// last chunk writes them to y, the others back to part. Each sum runs over k in order whatever the chunking, so the
+// result is the same bits as one pass over K. NV = 1 for a last panel of at most 16 rows (its zero half not computed).
 template <int MR, int NV>
-void GemmTile(const float* w, int64_t ws, const float* panel, int64_t K, float* y, int64_t M, int64_t N,
-              int64_t m0, int64_t n0, const char* ahead, int64_t ahead_lines) {
+void GemmTile(const float* w, int64_t ws, const float* panel, int64_t kn, float* part, bool first, bool last,
+              float* y, int64_t M, int64_t N, int64_t m0, int64_t n0, Ahead ahead) {
   __m512 acc[MR][NV];
 #pragma GCC unroll 12
   for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    if (k < ahead_lines) _mm_prefetch(ahead + 64 * k, _MM_HINT_T1);  // the next tile's weights, a line a step
+    for (int v = 0; v < NV; ++v) acc[i][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + i * kPanel + 16 * v);
+  for (int64_t k = 0; k < kn; ++k) {
+    if (k < ahead.lines) _mm_prefetch(ahead.line[k], _MM_HINT_T1);
     __m512 x[NV];
     for (int v = 0; v < NV; ++v) x[v] = _mm512_loadu_ps(panel + k * kPanel + 16 * v);
 #pragma GCC unroll 12
@@ -389,6 +420,11 @@ void GemmTile(const float* w, int64_t ws, const float* panel, int64_t K, float* 
       const __m512 b = _mm512_set1_ps(w[i * ws + k]);
       for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(b, x[v], acc[i][v]);
     }
+  }
+  if (!last) {
+    for (int i = 0; i < MR; ++i)
+      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(part + i * kPanel + 16 * v, acc[i][v]);
+    return;
   }
   alignas(64) float tile[MR][kPanel];
   for (int i = 0; i < MR; ++i)
@@ -398,103 +434,125 @@ void GemmTile(const float* w, int64_t ws, const float* panel, int64_t K, float* 
     for (int i = 0; i < MR; ++i) y[(m0 + r) * N + n0 + i] = tile[i][r];
 }
 
-// ahead: the next tile's stored weights (ahead_bytes of them), fetched into L2 while this tile's first panel
-// computes: in a model's chain of products the weights come from DRAM, and converting a tile would otherwise
-// wait for them (GPT-2's 48 products + head at 128 rows, on float32 weights when they still took this path:
-// 131.6 ms without, 117.2 with; BENCHMARKS.md, "Quantized weights, part 3").
+// Rows [m0, m1) (whole panels from m0) of a tile of MR outputs from n0, over one chunk of inputs: packed is the
+// rows' panels at the chunk's first input (panels K * 32 floats apart), part the tile's partial sums, a panel's
+// [kTileOut][32] each.
 template <int MR>
-void GemmPanels(const float* w, int64_t ws, const float* packed, int64_t M, int64_t K, int64_t N, float* y,
-                int64_t n0, const char* ahead, int64_t ahead_bytes) {
-  for (int64_t m0 = 0; m0 < M; m0 += kPanel) {
-    const float* panel = packed + (m0 / kPanel) * K * kPanel;
-    const int64_t lines = m0 == 0 ? (ahead_bytes + 63) / 64 : 0;
-    if (M - m0 <= 16)
-      GemmTile<MR, 1>(w, ws, panel, K, y, M, N, m0, n0, ahead, lines);
+void GemmPanels(const float* w, int64_t ws, const float* packed, int64_t K, int64_t kn, float* part, bool first,
+                bool last, float* y, int64_t m0, int64_t m1, int64_t M, int64_t N, int64_t n0, Ahead ahead) {
+  for (int64_t m = m0; m < m1; m += kPanel) {
+    const float* panel = packed + (m / kPanel) * K * kPanel;
+    float* p = part + ((m - m0) / kPanel) * kTileOut * kPanel;
+    if (m1 - m <= 16)
+      GemmTile<MR, 1>(w, ws, panel, kn, p, first, last, y, M, N, m, n0, ahead);
     else
-      GemmTile<MR, 2>(w, ws, panel, K, y, M, N, m0, n0, ahead, lines);
+      GemmTile<MR, 2>(w, ws, panel, kn, p, first, last, y, M, N, m, n0, ahead);
+    ahead.lines = 0;  // fetched during the first panel
   }
 }
 
-// Outputs [n0, n1) over all rows; convert(n, mr, buf, ws) fills buf [mr][ws] with outputs n .. n + mr - 1 as
-// float32 with their scales; `stored` [N][row_bytes]: the weights as stored, for prefetching. The rows of buf
-// are K + 16 floats apart: at K = 3072 (any multiple of 1024) rows K apart are a multiple of 4 KiB apart, so all
-// 12 fall in one set of the 48 KiB, 12-way L1 and the broadcast streams could evict each other (the padding is
-// by that arithmetic; no speed-up beyond this machine's noise was measured). Rows go in blocks of kBlockBytes
-// so a block's panels stay in L2 while every tile of outputs passes over them (each tile converted once per
-// block).
+// Outputs [n0, n1) over all rows. The inputs go in chunks of at most kChunk (the packed order's [0, split) and
+// [split, K) apart: int4's even and odd inputs, as its nibbles lie), the rows of each chunk in blocks of kBlockBytes
+// of packed floats, and the outputs in tiles of kTileOut: convert(n, mr, k0, k1, buf, ws) fills buf [mr][ws] with
+// inputs [k0, k1) of outputs n .. n + mr - 1 as float32 with their scales, read from `stored` [N][row_bytes] at byte
+// k0 % split. So a tile's converted chunk (12 x 768 floats: 36 KiB) stays in L1 while every panel of the block
+// passes under it, the block's panels stay in L2 while every tile passes over them, and each weight is converted
+// once per block: GPT-2's FFN output product (K = 3072) was converted once per 64 rows when the whole of K went in
+// one pass, since a block then held 64 rows of 3072 inputs. Partial sums between chunks wait in `part`, in the
+// tiles' register order. The rows of buf are kChunk + 16 floats apart: rows a multiple of 4 KiB apart all fall in
+// one set of the 48 KiB, 12-way L1, and the broadcast streams could evict each other.
 template <typename Convert>
-void GemmOutputs(const float* packed, int64_t M, int64_t K, int64_t N, float* y, int64_t n0, int64_t n1,
-                 const void* stored, int64_t row_bytes, Convert convert) {
-  const int64_t ws = K + 16;
-  std::vector<float> buf(kTileOut * ws);
-  const int64_t block = std::max<int64_t>(kPanel, (kBlockBytes / (K * 4)) / kPanel * kPanel);
+void GemmOutputs(const float* packed, int64_t M, int64_t K, int64_t split, int64_t N, float* y, int64_t n0,
+                 int64_t n1, const char* stored, int64_t row_bytes, Convert convert) {
+  std::vector<std::pair<int64_t, int64_t>> chunks;
+  for (const auto& [a, b] : {std::pair<int64_t, int64_t>(0, split), std::pair<int64_t, int64_t>(split, K)})
+    for (int64_t i = 0, count = (b - a + kChunk - 1) / kChunk; i < count; ++i)  // equal chunks
+      chunks.emplace_back(a + (b - a) * i / count, a + (b - a) * (i + 1) / count);
+  int64_t longest = 0;
+  for (const auto& [a, b] : chunks) longest = std::max(longest, b - a);
+  const int64_t ws = longest + 16, tiles = (n1 - n0 + kTileOut - 1) / kTileOut;
+  const int64_t block = std::min((M + kPanel - 1) / kPanel * kPanel,
+                                 std::max<int64_t>(kPanel, (kBlockBytes / (longest * 4)) / kPanel * kPanel));
+  std::vector<float> buf(kTileOut * ws), part(chunks.size() > 1 ? tiles * block * kTileOut : 0);
+  std::vector<const char*> lines(kTileOut * ((longest + 63) / 64));
   for (int64_t mb = 0; mb < M; mb += block)
-  for (int64_t n = n0; n < n1; n += kTileOut) {
-    const int mr = static_cast<int>(std::min<int64_t>(kTileOut, n1 - n));
-    convert(n, mr, buf.data(), ws);
-    const float* w = buf.data();
-    const float* rows = packed + mb * K;
-    const int64_t next = std::min<int64_t>(kTileOut, n1 - n - mr);   // the next tile's outputs
-    const char* ahead = static_cast<const char*>(stored) + (n + mr) * row_bytes;
-    const int64_t ahead_bytes = next > 0 ? next * row_bytes : 0;
-    const int64_t mrows = std::min(M, mb + block) - mb;
-    float* out = y + mb * N;
-    switch (mr) {
-      case 12: GemmPanels<12>(w, ws, rows, mrows, K, N, out, n, ahead, ahead_bytes); break;
-      case 11: GemmPanels<11>(w, ws, rows, mrows, K, N, out, n, ahead, ahead_bytes); break;
-      case 10: GemmPanels<10>(w, ws, rows, mrows, K, N, out, n, ahead, ahead_bytes); break;
-      case 9: GemmPanels<9>(w, ws, rows, mrows, K, N, out, n, ahead, ahead_bytes); break;
-      case 8: GemmPanels<8>(w, ws, rows, mrows, K, N, out, n, ahead, ahead_bytes); break;
-      case 7: GemmPanels<7>(w, ws, rows, mrows, K, N, out, n, ahead, ahead_bytes); break;
-      case 6: GemmPanels<6>(w, ws, rows, mrows, K, N, out, n, ahead, ahead_bytes); break;
-      case 5: GemmPanels<5>(w, ws, rows, mrows, K, N, out, n, ahead, ahead_bytes); break;
-      case 4: GemmPanels<4>(w, ws, rows, mrows, K, N, out, n, ahead, ahead_bytes); break;
-      case 3: GemmPanels<3>(w, ws, rows, mrows, K, N, out, n, ahead, ahead_bytes); break;
-      case 2: GemmPanels<2>(w, ws, rows, mrows, K, N, out, n, ahead, ahead_bytes); break;
-      default: GemmPanels<1>(w, ws, rows, mrows, K, N, out, n, ahead, ahead_bytes); break;
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      const auto [k0, k1] = chunks[c];
+      const bool first = c == 0, last = c + 1 == chunks.size();
+      for (int64_t n = n0; n < n1; n += kTileOut) {
+        const int mr = static_cast<int>(std::min<int64_t>(kTileOut, n1 - n));
+        convert(n, mr, k0, k1, buf.data(), ws);
+        Ahead ahead{lines.data(), 0};
+        const int64_t row_lines = (k1 - k0 + 63) / 64;
+        for (int64_t i = n + mr; i < std::min(n1, n + mr + kTileOut); ++i)
+          for (int64_t l = 0; l < row_lines; ++l) lines[ahead.lines++] = stored + i * row_bytes + k0 % split + 64 * l;
+        const float* w = buf.data();
+        const float* rows = packed + k0 * kPanel;
+        float* p = part.data() + ((n - n0) / kTileOut) * block * kTileOut;
+        const int64_t m1 = std::min(M, mb + block);
+#define JF_PANELS(MR) GemmPanels<MR>(w, ws, rows, K, k1 - k0, p, first, last, y, mb, m1, M, N, n, ahead)
+        switch (mr) {
+          case 12: JF_PANELS(12); break;
+          case 11: JF_PANELS(11); break;
+          case 10: JF_PANELS(10); break;
+          case 9: JF_PANELS(9); break;
+          case 8: JF_PANELS(8); break;
+          case 7: JF_PANELS(7); break;
+          case 6: JF_PANELS(6); break;
+          case 5: JF_PANELS(5); break;
+          case 4: JF_PANELS(4); break;
+          case 3: JF_PANELS(3); break;
+          case 2: JF_PANELS(2); break;
+          default: JF_PANELS(1); break;
+        }
+#undef JF_PANELS
+      }
     }
-  }
 }
 
-// The blocked product of x [M, K] with the stored weights (row_bytes a row; convert as GemmOutputs takes it): the
-// rows packed, then the outputs in tiles, both in pieces on XLA's pool (PoolFor).
+// The blocked product of x [M, K] with the stored weights (row_bytes a row; split and convert as GemmOutputs takes
+// them), in slabs of rows whose packed copy takes at most kSlabBytes: each slab's rows packed, then its outputs in
+// tiles, both in pieces on XLA's pool (PoolFor).
 template <typename Convert>
 void GemmOnPool(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N, float* y, const void* stored,
-                int64_t row_bytes, bool evens_first, Convert convert) {
+                int64_t row_bytes, int64_t split, Convert convert) {
   const int64_t chunks = JF_POOL_CHUNKS * std::max<int64_t>(pool.num_threads(), 1);
-  const std::vector<float> packed = PackRows(x, M, K, evens_first,
-                                             [&](int64_t n, auto f) { PoolFor(pool, n, f, chunks); });
-  PoolFor(pool, (N + kTileOut - 1) / kTileOut, [&](int64_t t0, int64_t t1) {
-    GemmOutputs(packed.data(), M, K, N, y, t0 * kTileOut, std::min(N, t1 * kTileOut), stored, row_bytes, convert);
-  }, chunks);
+  const int64_t slab = std::max<int64_t>(kPanel, kSlabBytes / (K * 4) / kPanel * kPanel);
+  for (int64_t m = 0; m < M; m += slab) {
+    const int64_t rows = std::min(slab, M - m);
+    const std::vector<float> packed = PackRows(x + m * K, rows, K, split < K,
+                                               [&](int64_t n, auto f) { PoolFor(pool, n, f, chunks); });
+    PoolFor(pool, (N + kTileOut - 1) / kTileOut, [&](int64_t t0, int64_t t1) {
+      GemmOutputs(packed.data(), rows, K, split, N, y + m * N, t0 * kTileOut, std::min(N, t1 * kTileOut),
+                  static_cast<const char*>(stored), row_bytes, convert);
+    }, chunks);
+  }
 }
 
-// int8 row n (K bytes) times its scale -> K floats.
-inline void ConvertInt8(const int8_t* q, float s, int64_t K, float* out) {
+// int8 weights q [n] times their scale -> n floats.
+inline void ConvertInt8(const int8_t* q, float s, int64_t n, float* out) {
   const __m512 sv = _mm512_set1_ps(s);
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16)
+  for (; k + 16 <= n; k += 16)
     _mm512_storeu_ps(out + k, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k)))), sv));
-  for (; k < K; ++k) out[k] = static_cast<float>(q[k]) * s;
+  for (; k < n; ++k) out[k] = static_cast<float>(q[k]) * s;
 }
 
-// int4 row n (K / 2 bytes, even k low) with its group scales s [groups] -> K floats, evens first.
-inline void ConvertInt4(const uint8_t* q, const float* s, int64_t K, int64_t groups, float* out) {
-  const int64_t half = K / 2, gh = half / groups;  // bytes per group
-  for (int64_t g = 0; g < groups; ++g) {
+// Bytes [j0, j1) of an int4 row (even k low, groups of gh bytes with scales s) -> j1 - j0 floats: the low nibbles
+// (the even inputs) or, if high, the high ones (the odd inputs).
+inline void ConvertInt4(const uint8_t* q, const float* s, int64_t gh, int64_t j0, int64_t j1, bool high, float* out) {
+  for (int64_t j = j0; j < j1;) {
+    const int64_t g = j / gh, end = std::min(j1, (g + 1) * gh);
     const __m512 sv = _mm512_set1_ps(s[g]);
-    int64_t j = g * gh;
-    for (; j + 16 <= (g + 1) * gh; j += 16) {
+    for (; j + 16 <= end; j += 16) {
       const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j)));
-      const __m512i lo = _mm512_srai_epi32(_mm512_slli_epi32(v, 28), 28), hi = _mm512_srai_epi32(v, 4);
-      _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_cvtepi32_ps(lo), sv));
-      _mm512_storeu_ps(out + half + j, _mm512_mul_ps(_mm512_cvtepi32_ps(hi), sv));
+      const __m512i nib = high ? _mm512_srai_epi32(v, 4) : _mm512_srai_epi32(_mm512_slli_epi32(v, 28), 28);
+      _mm512_storeu_ps(out + j - j0, _mm512_mul_ps(_mm512_cvtepi32_ps(nib), sv));
     }
-    for (; j < (g + 1) * gh; ++j) {
+    for (; j < end; ++j) {
       const int8_t v = static_cast<int8_t>(q[j]);
-      out[j] = static_cast<float>(static_cast<int8_t>(v << 4) >> 4) * s[g];
-      out[half + j] = static_cast<float>(v >> 4) * s[g];
+      out[j - j0] = static_cast<float>(high ? v >> 4 : static_cast<int8_t>(v << 4) >> 4) * s[g];
     }
   }
 }
@@ -528,8 +586,8 @@ ffi::Error Int8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
   float* yp = y->typed_data();
 #if defined(__AVX512F__)
   if (M >= kGemmRows) {
-    GemmOnPool(pool, xp, M, K, N, yp, qp, K, false, [&](int64_t n, int mr, float* buf, int64_t ws) {
-      for (int i = 0; i < mr; ++i) ConvertInt8(qp + (n + i) * K, sp[n + i], K, buf + i * ws);
+    GemmOnPool(pool, xp, M, K, N, yp, qp, K, K, [&](int64_t n, int mr, int64_t k0, int64_t k1, float* buf, int64_t ws) {
+      for (int i = 0; i < mr; ++i) ConvertInt8(qp + (n + i) * K + k0, sp[n + i], k1 - k0, buf + i * ws);
     });
     return ffi::Error::Success();
   }
@@ -554,8 +612,11 @@ ffi::Error Int4Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q,
     const uint8_t* qp = q.typed_data();
     const float* sp = s.typed_data();
     float* yp = y->typed_data();
-    GemmOnPool(pool, xp, M, K, N, yp, qp, half, true, [&](int64_t n, int mr, float* buf, int64_t ws) {
-      for (int i = 0; i < mr; ++i) ConvertInt4(qp + (n + i) * half, sp + (n + i) * groups, K, groups, buf + i * ws);
+    const int64_t gh = half / groups;  // bytes per group
+    GemmOnPool(pool, xp, M, K, N, yp, qp, half, half, [&](int64_t n, int mr, int64_t k0, int64_t k1, float* buf, int64_t ws) {
+      const bool high = k0 >= half;  // the odd inputs (chunks do not cross half)
+      for (int i = 0; i < mr; ++i)
+        ConvertInt4(qp + (n + i) * half, sp + (n + i) * groups, gh, k0 - high * half, k1 - high * half, high, buf + i * ws);
     });
     return ffi::Error::Success();
   }
