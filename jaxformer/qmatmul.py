@@ -13,8 +13,8 @@ kernel flattened to w [K, N] (K = fan-in, N = fan-out) becomes
   streams each output's weights once for all of a decode step's rows (up to KERNEL_MAX_ROWS[32]).
 
 `matmul` is the product the Dense layers and MoE experts run on them: on CPU a C++ kernel
-(jaxformer/csrc, `jax.ffi`) when it could be built, for up to `GEMM_MAX_ROWS` rows where it has its blocked
-product for prefill (AVX-512 builds, `qkernel.gemm_rows`), else up to `KERNEL_MAX_ROWS`; above that, or without
+(jaxformer/csrc, `jax.ffi`) when it could be built: for any number of rows where it has its blocked product for
+prefill (AVX-512 builds, `qkernel.gemm_rows`; `GEMM_MAX_ROWS`), else up to `KERNEL_MAX_ROWS`; above that, or without
 the kernel (logged once with the reason), the XLA path: the int8/int4 weights converted
 for `dot_general`, which TPU/GPU compilers fuse into the product and which XLA:CPU writes out in float32
 right before its product (`_after`). Float models reach it only through the serving engine's output-major
@@ -43,13 +43,15 @@ QUANT_PARAMS = ("qkernel", "qscale")
 # float32 (`benchmarks/dense_layout.py kernel`, GPT-2's decode products + head): the kernel 0.5x XLA's time at 16
 # rows, 0.57x at 32; at 144 rows ~1.6x, where XLA's blocked GEMM reuses the activations better.
 KERNEL_MAX_ROWS = {8: 32, 4: 32, 32: 32}
-# With the blocked product (AVX-512 builds, `qkernel.gemm_rows`; on XLA's thread pool), the same table
-# (BENCHMARKS.md "Quantized weights, part 6", 21 rounds): int8 0.82x / 0.89x / 0.97x at 64 / 128 / 256 rows (XLA
-# path 1.04-1.06x), int4 0.85x / 0.90x / 1.00x (1.09-1.16x); at 384-512 rows the two paths are within 1-3% of
-# each other (1.01-1.05x): the XLA path from 257 rows.
+# With the blocked product (AVX-512 builds, `qkernel.gemm_rows`; on XLA's thread pool) the kernel takes every row
+# count: the same table (BENCHMARKS.md "Quantized weights", parts 6 and 7, 15-21 rounds) gives int8 0.82x / 0.89x /
+# 0.97x at 64 / 128 / 256 rows (XLA path 1.04-1.06x), int4 0.85x / 0.90x / 1.00x (1.09-1.16x), and at 384-1024 rows
+# the kernel 1.00-1.05x against the XLA path's 1.02-1.08x: there both are bound by float32's multiply-adds (the
+# products alone are at float32's time: `benchmarks/qmatmul_rows.py --rows 512,1024`), and the XLA path also writes
+# every weight out in float32 first.
 # float32 (the serving engine's prompt chunks): XLA's dot from 33 rows (a 128-token prefill call 93 ms against
 # 101-106 through it).
-GEMM_MAX_ROWS = {8: 256, 4: 256, 32: 32}
+GEMM_MAX_ROWS = {8: math.inf, 4: math.inf, 32: 32}
 
 
 def quantize_int8(w):
@@ -172,7 +174,7 @@ def matmul(x, q, scale):
   default = xla_matmul
   if bits_of(q) == 4 and qpallas.blocks(rows, q.shape, scale.shape):  # on TPU, the Pallas int4 kernel
     default = lambda x, q, scale: jax.lax.platform_dependent(x, q, scale, tpu=qpallas.int4_matmul, default=xla_matmul)
-  if rows <= kernel_max_rows(bits_of(q)):  # decode: the C++ kernel where it runs (prefill: the XLA path by design)
+  if rows <= kernel_max_rows(bits_of(q)):  # the C++ kernel where it runs
     why = f"activations are {x.dtype}, the CPU kernel takes float32" if x.dtype != jnp.float32 else qkernel.unavailable()
     if why is None:
       return jax.lax.platform_dependent(x, q, scale, cpu=qkernel.call, default=default)

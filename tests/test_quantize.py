@@ -176,8 +176,9 @@ def test_forced_fallback_runs_the_xla_path_and_says_why_once(monkeypatch, caplog
 
 @pytest.mark.parametrize("fallback", [False, True])
 def test_prefill_converts_each_weight_right_before_its_product(monkeypatch, fallback):
-  """Prefill above `KERNEL_MAX_ROWS` rows (and, without the kernel, every call) takes the XLA path, whose int8/int4
-  weights are converted to float32 for the product. XLA:CPU's scheduler ran all those conversions first (they
+  """Prefill without the kernel (and above `KERNEL_MAX_ROWS` rows in builds without its blocked product) takes the
+  XLA path, whose int8/int4 weights are converted to float32 for the product; with the kernel (AVX-512), 265 rows
+  take the blocked product, and the same bounds hold. XLA:CPU's scheduler ran all those conversions first (they
   read parameters only), so every weight was in float32 at once; `qmatmul._after` orders each after its
   product's input. The compiled program's temporaries stay within two float32 weights of the float model's
   (all four layers' would be 12 MiB more), and the prefill's logits equal the float model's of the
@@ -191,7 +192,7 @@ def test_prefill_converts_each_weight_right_before_its_product(monkeypatch, fall
   model = model_lib.build_model(cfg)
   params = jax.tree.map(np.asarray, jax.jit(model.init)(jax.random.key(0), jnp.ones((1, 8), jnp.int32))["params"])
   params = jax.tree.map(lambda x: getattr(x, "value", x), params, is_leaf=lambda x: hasattr(x, "value"))
-  rows = max(qmatmul.GEMM_MAX_ROWS.values()) + 9
+  rows = 265
   prompt = [list(np.random.default_rng(0).integers(3, cfg.vocab_size, rows))]
   tokens, lengths = decode._left_pad(prompt, None)
   cache = decode.init_cache(model, 1, rows)

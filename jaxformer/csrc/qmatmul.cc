@@ -46,9 +46,12 @@ constexpr int64_t kAhead = JF_AHEAD;
 // Calls of at least this many rows take the blocked product (`GemmOutputs`, AVX-512 builds); int4's streaming
 // loop keeps two partial sums per (row, output), so it hands over sooner. Set from a by-hand comparison of
 // the two loops on GPT-2's products at 8-64 rows (a throwaway build with JF_GEMM_ROWS=1; noisy, not kept):
-// the streaming loop led at 8 rows, the blocked one from ~16 rows for int4 and ~32 for int8.
+// the streaming loop led at 8 rows, the blocked one from ~16 rows for int4 and ~32 for int8. Since the blocked
+// product runs on XLA's pool, int8's 32-row prefill takes 0.77x float32's time through it against 0.96-1.00x
+// through the streaming loop, which still led or tied at 16-24 rows (`benchmarks/prefill_rows.py --bits 8`, two
+// builds alternated; BENCHMARKS.md "Quantized weights, part 7").
 #ifndef JF_GEMM_ROWS
-#define JF_GEMM_ROWS 33
+#define JF_GEMM_ROWS 25
 #endif
 #ifndef JF_GEMM_ROWS_INT4
 #define JF_GEMM_ROWS_INT4 16
