@@ -8,9 +8,10 @@ GPT-2 124M shapes (random weights; int8 tables, int4 group 128), one prompt of `
 forced onto the C++ kernel (`qkernel.call`) or onto the XLA path (the weights converted for XLA's GEMM right
 before each product, `qmatmul._after`); the head's one row stays on the kernel in both. The variants run in
 interleaved rounds (this machine's speed drifts by ~10% over a minute) and each prints its median time and
-its ratio to float32's. `qmatmul.GEMM_MAX_ROWS` (AVX-512 builds: the kernel's blocked product from 33 rows for
-int8, 16 for int4) and `KERNEL_MAX_ROWS` (other builds) are set from this table; the last column says which path
-the default picks. --memory prints instead the temporaries (`memory_analysis()`) of the programs the defaults
+its ratio to float32's, followed by the quartiles of the rounds' own ratios (each round's time over that round's
+float32 time): the spread to read the ratio against. `qmatmul.GEMM_MAX_ROWS` (AVX-512 builds: the kernel's blocked product from 25 rows for
+int8, 16 for int4; the kernel at every row count) and `KERNEL_MAX_ROWS` (other builds) are set from this table; the
+last column says which path the default picks. --memory prints instead the temporaries (`memory_analysis()`) of the programs the defaults
 compile, float32 and each scheme; it runs without the kernel too (`JAXFORMER_QKERNEL=off`: the XLA path).
 """
 
@@ -94,8 +95,9 @@ def main(argv=None):
     return memory(model, params, [int(r) for r in args.rows.split(",")])
   defaults = {bits: qmatmul.kernel_max_rows(bits) for bits in schemes}
   print(f"GPT-2 124M prefill, one prompt, medians of {args.rounds} interleaved rounds; "
-        f"the kernel up to {defaults} rows (blocked product from {qkernel.gemm_rows()} rows)", flush=True)
-  print(f"{'rows':>5} {'float32 ms':>11}" + "".join(f" {f'int{b} kernel':>13} {f'int{b} XLA':>13} {'picks':>7}"
+        f"the kernel up to {', '.join(f'int{b}: {v} rows' for b, v in defaults.items())} "
+        f"(blocked product from {qkernel.gemm_rows()} rows)", flush=True)
+  print(f"{'rows':>5} {'float32 ms':>11}" + "".join(f" {f'int{b} kernel':>16} {f'int{b} XLA':>16} {'picks':>7}"
                                                   for b in schemes))
   for rows in (int(r) for r in args.rows.split(",")):
     variants = {"float32": (32, None)}
@@ -113,7 +115,11 @@ def main(argv=None):
     line = f"{rows:>5} {median['float32'] * 1e3:>11.1f}"
     for bits in schemes:
       picks = "kernel" if rows <= defaults[bits] else "XLA"
-      line += "".join(f" {median[f'int{bits} {path}'] / median['float32']:>12.2f}x" for path in ("kernel", "XLA"))
+      for path in ("kernel", "XLA"):
+        # the ratio of medians, and the quartiles of the rounds' own ratios (each round's time over its float32's)
+        per_round = np.asarray(runs[f"int{bits} {path}"][1]) / np.asarray(runs["float32"][1])
+        q1, q3 = np.percentile(per_round, [25, 75])
+        line += f" {median[f'int{bits} {path}'] / median['float32']:>5.2f}x {q1:.2f}-{q3:.2f}"
       line += f" {picks:>7}"
     print(line, flush=True)
 

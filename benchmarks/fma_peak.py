@@ -1,0 +1,92 @@
+"""This CPU's float32 multiply-add ceiling: independent vector FMAs in registers, on 1 and on all cores.
+
+    python benchmarks/fma_peak.py [--seconds 1]
+
+A loop of 24 independent fused multiply-adds on 16-lane (AVX-512) or 8-lane (AVX2) float32 vectors, compiled with
+the system C++ compiler (`jaxformer.qbuild.compiler`, -O2 -march=native) into a temporary directory and run on one
+thread and on one thread per core. Nothing is read from memory, so this is the most float32 products a core can
+do; a GEMM reaches it only up to its loads and its bookkeeping. It sets the quantized prefill against float32's
+(BENCHMARKS.md "Quantized weights, part 7"): weight-only int8/int4 does float32's multiply-adds, so where XLA's
+float32 dot runs near this ceiling a quantized product can at best tie it.
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from jaxformer import qbuild  # pylint: disable=g-import-not-at-top
+
+SOURCE = r"""
+#include <immintrin.h>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+#include <vector>
+#if defined(__AVX512F__)
+using V = __m512; constexpr int kLanes = 16;
+inline V Set(float f) { return _mm512_set1_ps(f); }
+inline V Fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline float Sum(V v) { return _mm512_reduce_add_ps(v); }
+#else
+using V = __m256; constexpr int kLanes = 8;
+inline V Set(float f) { return _mm256_set1_ps(f); }
+inline V Fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline float Sum(V v) { float t[8]; _mm256_storeu_ps(t, v); return t[0] + t[7]; }
+#endif
+float Loop(long steps) {  // 24 independent chains: more than the FMA units' latency x throughput
+  V a[24];
+  for (int i = 0; i < 24; ++i) a[i] = Set(i * 1e-3f);
+  const V b = Set(1.0000001f), c = Set(1e-7f);
+  for (long t = 0; t < steps; ++t)
+#pragma GCC unroll 24
+    for (int i = 0; i < 24; ++i) a[i] = Fma(a[i], b, c);
+  float s = 0;
+  for (int i = 0; i < 24; ++i) s += Sum(a[i]);
+  return s;
+}
+int main(int argc, char** argv) {
+  const double seconds = atof(argv[1]);
+  const int cores = atoi(argv[2]);
+  long steps = 1 << 20;  // calibrate on one thread to about `seconds`
+  for (;;) {
+    auto t0 = std::chrono::steady_clock::now();
+    volatile float r = Loop(steps); (void)r;
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > seconds / 4) break;
+    steps *= 2;
+  }
+  steps *= 4;
+  for (int threads : {1, cores}) {
+    auto t0 = std::chrono::steady_clock::now();
+    std::vector<std::thread> pool;
+    for (int i = 0; i < threads; ++i) pool.emplace_back([steps] { volatile float r = Loop(steps); (void)r; });
+    for (auto& t : pool) t.join();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    printf("%d thread%s: %.1f GFLOP/s (%d-lane FMAs)\n", threads, threads > 1 ? "s" : "",
+           threads * steps * 24.0 * kLanes * 2 / s / 1e9, kLanes);
+  }
+}
+"""
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--seconds", type=float, default=1.0)
+  args = parser.parse_args(argv)
+  cxx = qbuild.compiler()
+  if not cxx:
+    sys.exit("fma_peak: no C++ compiler found ($CXX, g++ or c++)")
+  with tempfile.TemporaryDirectory() as d:
+    src, exe = os.path.join(d, "fma.cc"), os.path.join(d, "fma")
+    with open(src, "w") as f:
+      f.write(SOURCE)
+    subprocess.run([cxx, "-O2", "-march=native", "-std=c++17", "-pthread", src, "-o", exe], check=True)
+    out = subprocess.run([exe, str(args.seconds), str(os.cpu_count())], check=True, capture_output=True, text=True)
+  print(out.stdout, end="")
+
+
+if __name__ == "__main__":
+  main()
