@@ -279,7 +279,7 @@ void F32Outputs(const float* x, const float* w, const float* s, float* y, int64_
 
 // ---------------------------------------------------------------------------------------------------
 // Many rows (prefill): a blocked product in the outer-product form, so each weight is converted once per
-// call and then serves every row from cache. The rows are packed k-major in panels of 32 ([K][32], zero
+// block of rows and then serves every row of it from cache. The rows are packed k-major in panels of 32 ([K][32], zero
 // rows past M); a tile of 12 outputs' weights, converted to float32 with their scales (int8, int4; float32
 // weights keep the streaming loop: XLA's dot did better there in a model), is broadcast one k at a time
 // against a panel's two 16-lane vectors: 24 accumulators, each a (row, output) pair summed over k in order.
@@ -298,7 +298,7 @@ constexpr int kPanel = 32;     // rows per panel (two vectors)
 #ifndef JF_CHUNK
 #define JF_CHUNK 768
 #endif
-constexpr int64_t kBlockBytes = JF_BLOCK_KIB << 10;  // packed rows per block, to stay in a core's L2 (1-2 MiB here)
+constexpr int64_t kBlockBytes = JF_BLOCK_KIB << 10;  // packed rows per block, to stay in a core's L2 (1 MiB here)
 constexpr int64_t kChunk = JF_CHUNK;  // inputs per pass (GemmOutputs)
 #ifndef JF_SLAB_MIB
 #define JF_SLAB_MIB 16
@@ -458,12 +458,13 @@ void GemmPanels(const float* w, int64_t ws, const float* packed, int64_t K, int6
 // [split, K) apart: int4's even and odd inputs, as its nibbles lie), the rows of each chunk in blocks of kBlockBytes
 // of packed floats, and the outputs in tiles of kTileOut: convert(n, mr, k0, k1, buf, ws) fills buf [mr][ws] with
 // inputs [k0, k1) of outputs n .. n + mr - 1 as float32 with their scales, read from `stored` [N][row_bytes] at byte
-// k0 % split. So a tile's converted chunk (12 x 768 floats: 36 KiB) stays in L1 while every panel of the block
-// passes under it, the block's panels stay in L2 while every tile passes over them, and each weight is converted
-// once per block: GPT-2's FFN output product (K = 3072) was converted once per 64 rows when the whole of K went in
-// one pass, since a block then held 64 rows of 3072 inputs. Partial sums between chunks wait in `part`, in the
+// k0 % split. So a tile's converted chunk (12 x 768 floats: 36 KiB, L1 where it is 48 KiB; chunks of 256-512,
+// which fit a 32 KiB L1, measured the same here) stays near the core while every panel of the block passes under
+// it, the block's panels stay in L2 while every tile passes over them, and each weight is converted once per
+// block: GPT-2's FFN output product (K = 3072) was converted once per 64 rows when the whole of K went in one
+// pass, since a block then held 64 rows of 3072 inputs. Partial sums between chunks wait in `part`, in the
 // tiles' register order. The rows of buf are kChunk + 16 floats apart: rows a multiple of 4 KiB apart all fall in
-// one set of the 48 KiB, 12-way L1, and the broadcast streams could evict each other.
+// one L1 set (8 or 12 ways), and the broadcast streams could evict each other.
 template <typename Convert>
 void GemmOutputs(const float* packed, int64_t M, int64_t K, int64_t split, int64_t N, float* y, int64_t n0,
                  int64_t n1, const char* stored, int64_t row_bytes, Convert convert) {
