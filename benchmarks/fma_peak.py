@@ -35,7 +35,7 @@ inline float Sum(V v) { return _mm512_reduce_add_ps(v); }
 using V = __m256; constexpr int kLanes = 8;
 inline V Set(float f) { return _mm256_set1_ps(f); }
 inline V Fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-inline float Sum(V v) { float t[8]; _mm256_storeu_ps(t, v); return t[0] + t[7]; }
+inline float Sum(V v) { float t[8], s = 0; _mm256_storeu_ps(t, v); for (float f : t) s += f; return s; }
 #endif
 float Loop(long steps) {  // 24 independent chains: more than the FMA units' latency x throughput
   V a[24];
@@ -83,7 +83,11 @@ def main(argv=None):
     src, exe = os.path.join(d, "fma.cc"), os.path.join(d, "fma")
     with open(src, "w") as f:
       f.write(SOURCE)
-    subprocess.run([cxx, "-O2", "-march=native", "-std=c++17", "-pthread", src, "-o", exe], check=True)
+    built = subprocess.run([cxx, "-O2", "-march=native", "-std=c++17", "-pthread", src, "-o", exe],
+                           capture_output=True, text=True)
+    if built.returncode:
+      sys.exit(f"fma_peak: {cxx} could not build the loop (an x86 CPU with AVX2 or AVX-512 is needed): "
+               f"{(built.stderr.strip().splitlines() or ['no message'])[-1]}")
     out = subprocess.run([exe, str(args.seconds), str(os.cpu_count())], check=True, capture_output=True, text=True)
   print(out.stdout, end="")
 

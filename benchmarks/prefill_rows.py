@@ -9,10 +9,10 @@ forced onto the C++ kernel (`qkernel.call`) or onto the XLA path (the weights co
 before each product, `qmatmul._after`); the head's one row stays on the kernel in both. The variants run in
 interleaved rounds (this machine's speed drifts by ~10% over a minute) and each prints its median time and
 its ratio to float32's, followed by the quartiles of the rounds' own ratios (each round's time over that round's
-float32 time): the spread to read the ratio against. `qmatmul.GEMM_MAX_ROWS` (AVX-512 builds: the kernel's blocked product from 25 rows for
-int8, 16 for int4; the kernel at every row count) and `KERNEL_MAX_ROWS` (other builds) are set from this table; the
-last column says which path the default picks. --memory prints instead the temporaries (`memory_analysis()`) of the programs the defaults
-compile, float32 and each scheme; it runs without the kernel too (`JAXFORMER_QKERNEL=off`: the XLA path).
+float32 time): the spread to read the ratio against. `qmatmul.GEMM_MAX_ROWS` (AVX-512 builds: the kernel at every
+row count, its blocked product from 25 rows for int8, 16 for int4) and `KERNEL_MAX_ROWS` (other builds) are set
+from this table; the last column says which path the default picks. --memory prints instead the temporaries
+(`memory_analysis()`) of the programs the defaults compile, float32 and each scheme; it runs without the kernel too (`JAXFORMER_QKERNEL=off`: the XLA path).
 """
 
 import argparse

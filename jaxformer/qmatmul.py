@@ -45,10 +45,10 @@ QUANT_PARAMS = ("qkernel", "qscale")
 KERNEL_MAX_ROWS = {8: 32, 4: 32, 32: 32}
 # With the blocked product (AVX-512 builds, `qkernel.gemm_rows`; on XLA's thread pool) the kernel takes every row
 # count: the same table (BENCHMARKS.md "Quantized weights", parts 6 and 7, 15-21 rounds) gives int8 0.82x / 0.89x /
-# 0.97x at 64 / 128 / 256 rows (XLA path 1.04-1.06x), int4 0.85x / 0.90x / 1.00x (1.09-1.16x), and at 384-1024 rows
-# the kernel 1.00-1.05x against the XLA path's 1.02-1.08x: there both are bound by float32's multiply-adds (the
-# products alone are at float32's time: `benchmarks/qmatmul_rows.py --rows 512,1024`), and the XLA path also writes
-# every weight out in float32 first.
+# 0.97x at 64 / 128 / 256 rows (XLA path 1.04-1.06x), int4 0.85x / 0.90x / 1.00x (1.09-1.16x), and at 256-2048 rows
+# (part 7) the kernel 0.94-1.07x against the XLA path's 0.96-1.10x: there both are bound by float32's multiply-adds
+# (the products alone are at float32's time: `benchmarks/qmatmul_rows.py --rows 512,1024`), and the XLA path also
+# writes every weight out in float32 first.
 # float32 (the serving engine's prompt chunks): XLA's dot from 33 rows (a 128-token prefill call 93 ms against
 # 101-106 through it).
 GEMM_MAX_ROWS = {8: math.inf, 4: math.inf, 32: 32}

@@ -356,8 +356,8 @@ void PoolFor(ffi::ThreadPool& pool, int64_t n, F f, int64_t chunks) {
 
 // x [M, K] -> panels [ceil(M / 32)][K][32] (rows past M zero), split by panel through parallel_for(n, f);
 // evens_first: k in the order 0, 2, 4, ..., 1, 3, 5, ... (int4). Full 16 x 16 blocks are transposed in registers,
-// int4's taken apart into evens and odds on the way in (32 inputs, two loads, one permutation): done as a pass of
-// its own, on one thread, the reordering took ~10% of an int4 product at 512 rows and K = 3072.
+// int4's taken apart into evens and odds on the way in (32 inputs, two loads, one permutation); as a serial pass
+// of its own, that reordering took ~10% of an int4 product at 512 rows and K = 3072.
 template <typename For>
 std::vector<float> PackRows(const float* x, int64_t M, int64_t K, bool evens_first, For parallel_for) {
   const int64_t panels = (M + kPanel - 1) / kPanel, half = K / 2;
@@ -393,8 +393,8 @@ std::vector<float> PackRows(const float* x, int64_t M, int64_t K, bool evens_fir
   return out;
 }
 
-// The next tile's stored weights for the current chunk of inputs: `rows` rows of `lines` cache lines each, `stride`
-// bytes apart, fetched into L2 a line per step while this tile's first panel computes: in a model's chain of
+// The cache lines of the next tile's stored weights for the current chunk of inputs, fetched into L2 a line per step
+// while this tile's first panel computes: in a model's chain of
 // products the weights come from DRAM, and converting a tile would otherwise wait for them (GPT-2's 48 products +
 // head at 128 rows, on float32 weights when they still took this path: 131.6 ms without, 117.2 with; BENCHMARKS.md,
 // "Quantized weights, part 3").
@@ -454,9 +454,9 @@ void GemmPanels(const float* w, int64_t ws, const float* packed, int64_t K, int6
   }
 }
 
-// Outputs [n0, n1) over all rows. The inputs go in chunks of at most kChunk (the packed order's [0, split) and
-// [split, K) apart: int4's even and odd inputs, as its nibbles lie), the rows of each chunk in blocks of kBlockBytes
-// of packed floats, and the outputs in tiles of kTileOut: convert(n, mr, k0, k1, buf, ws) fills buf [mr][ws] with
+// Outputs [n0, n1) over all rows. The rows go in blocks of kBlockBytes of packed floats (a chunk's worth), each
+// block's inputs in chunks of at most kChunk (the packed order's [0, split) and [split, K) apart: int4's even and
+// odd inputs, as its nibbles lie), and each chunk's outputs in tiles of kTileOut: convert(n, mr, k0, k1, buf, ws) fills buf [mr][ws] with
 // inputs [k0, k1) of outputs n .. n + mr - 1 as float32 with their scales, read from `stored` [N][row_bytes] at byte
 // k0 % split. So a tile's converted chunk (12 x 768 floats: 36 KiB, L1 where it is 48 KiB; chunks of 256-512,
 // which fit a 32 KiB L1, measured the same here) stays near the core while every panel of the block passes under
@@ -492,7 +492,7 @@ void GemmOutputs(const float* packed, int64_t M, int64_t K, int64_t split, int64
           for (int64_t l = 0; l < row_lines; ++l) lines[ahead.lines++] = stored + i * row_bytes + k0 % split + 64 * l;
         const float* w = buf.data();
         const float* rows = packed + k0 * kPanel;
-        float* p = part.data() + ((n - n0) / kTileOut) * block * kTileOut;
+        float* p = part.empty() ? nullptr : part.data() + ((n - n0) / kTileOut) * block * kTileOut;  // one chunk: unused
         const int64_t m1 = std::min(M, mb + block);
 #define JF_PANELS(MR) GemmPanels<MR>(w, ws, rows, K, k1 - k0, p, first, last, y, mb, m1, M, N, n, ahead)
         switch (mr) {
