@@ -114,12 +114,13 @@ def stored_scan_layers(ckpt, step=None):
 
 # What evaluation may change in a run's saved config: how to decode, and which files to read.
 EVAL_OVERRIDE_SECTIONS = ("decode", "data")
+EVAL_OVERRIDE_KEYS = ("model.quant_activations",)  # how a quantized model multiplies, not what it is
 
 
 def load_run(workdir, average_last=0, step=None, log=print, overrides=(), scan_layers=None):
   """(cfg, model, params, tokenizer, meta) of a training workdir; averages the last K checkpoints if asked.
 
-  `overrides` (`decode.*` and `data.*` only) apply on top of the run's saved config.
+  `overrides` (`decode.*`, `data.*` and `model.quant_activations` only) apply on top of the run's saved config.
   The checkpoint may hold its layers unrolled or stacked (`model.scan_layers`): its own
   layout is read from the stored tree, and the params come back in the layout of the run's
   config, or of `scan_layers` when given (the returned cfg and model then follow it).
@@ -130,8 +131,10 @@ def load_run(workdir, average_last=0, step=None, log=print, overrides=(), scan_l
   # Unknown keys (a run saved by another version) are skipped with a warning, never silently.
   cfg = saved = config_lib.load_saved_config(path, warn=lambda msg: print(msg, file=sys.stderr))
   for override in overrides:
-    if override.split("=", 1)[0].strip().split(".")[0] not in EVAL_OVERRIDE_SECTIONS:
-      raise UserError(f"override {override!r}: evaluation takes decode.* and data.* overrides only "
+    key = override.split("=", 1)[0].strip()
+    if key.split(".")[0] not in EVAL_OVERRIDE_SECTIONS and key not in EVAL_OVERRIDE_KEYS:
+      raise UserError(f"override {override!r}: evaluation takes decode.*, data.* and model.quant_activations "
+                      f"overrides only "
                       f"(the model comes from {path})")
     cfg = config_lib.apply_override(cfg, override)
   try:
@@ -164,6 +167,9 @@ def load_run(workdir, average_last=0, step=None, log=print, overrides=(), scan_l
     stored_scan = stored_scan_layers(ckpt, steps[-1])
     _, shapes = abstract_params(config_lib.replace(cfg, **{"model.scan_layers": stored_scan}))
     manifest = qmatmul.read_manifest(workdir)
+    if manifest is None and cfg.model.quant_activations != "float":
+      raise UserError(f"model.quant_activations={cfg.model.quant_activations} needs int8/int4 weights and {workdir} "
+                      "holds float ones: quantize it first (python -m jaxformer.quantize)")
     if manifest is not None:  # int8/int4 weights (python -m jaxformer.quantize): the same model reads them
       if average_last > 1:
         raise UserError(f"--average-last with a quantized run ({workdir}): average the float run, then quantize")

@@ -101,13 +101,16 @@ class TokenDense(nn.DenseGeneral):
   because XLA:CPU computes the kernel gradient of a 3-D dot through transposed
   copies of the activations (the reshapes themselves are free).
   A quantized workdir's kernel (`qkernel`, `qscale`: `jaxformer.qmatmul`) replaces `kernel`;
-  the product then dequantizes it inside the matmul (float params trace what they did before).
+  the product then dequantizes it inside the matmul (float params trace what they did before);
+  `quant_activations` ("float" | "int8") is the quantized product's `activations` (`qmatmul.matmul`).
   """
+  quant_activations: str = "float"
 
   def __call__(self, x):
     n_in = len(self.axis) if isinstance(self.axis, tuple) else 1
     if self.has_variable("params", "qkernel"):
-      y = qmatmul.dense_apply(self, x.reshape(-1, *x.shape[x.ndim - n_in:]), n_in, self.features, self.use_bias)
+      y = qmatmul.dense_apply(self, x.reshape(-1, *x.shape[x.ndim - n_in:]), n_in, self.features, self.use_bias,
+                              self.quant_activations)
     else:
       y = super().__call__(x.reshape(-1, *x.shape[x.ndim - n_in:]))
     return y.reshape(*x.shape[:x.ndim - n_in], *y.shape[1:])
@@ -133,6 +136,7 @@ def dense(cfg, features, names, axis=-1, name=None, use_bias=None):
   low = {} if cfg.matmul_dtype == "float32" else {"dot_general": _dot_general(cfg.matmul_dtype)}
   return TokenDense(
       features, axis=axis, **low, use_bias=cfg.use_bias if use_bias is None else use_bias,
+      quant_activations=cfg.quant_activations,
       dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.float32, name=name,
       kernel_init=_param(kernel_init(cfg), names),
       bias_init=_param(nn.initializers.zeros, names[-n_out:]))
@@ -172,7 +176,8 @@ class Embed(nn.Module):
   def attend(self, x):
     """x [batch, length, d_model] -> logits [batch, length, vocab] (float32)."""
     if self.quantized is not None:
-      logits = qmatmul.matmul(x.reshape(-1, x.shape[-1]).astype(self.cfg.dtype), *self.quantized)
+      logits = qmatmul.matmul(x.reshape(-1, x.shape[-1]).astype(self.cfg.dtype), *self.quantized,
+                              activations=self.cfg.quant_activations)
       return logits.reshape(*x.shape[:-1], -1)
     logits = _project(x.reshape(-1, x.shape[-1]), self.embedding, "nd,vd->nv", self.cfg)  # 2-D, as in TokenDense
     return logits.reshape(*x.shape[:-1], -1)

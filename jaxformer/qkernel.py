@@ -28,6 +28,7 @@ SOURCE = qbuild.SOURCE
 FLAGS = qbuild.FLAGS
 INSTALLED = qbuild.INSTALLED
 TARGETS = {8: "jaxformer_qmatmul_int8", 4: "jaxformer_qmatmul_int4", 32: "jaxformer_matmul_f32"}
+A8_TARGETS = {8: "jaxformer_qmatmul_int8_a8", 4: "jaxformer_qmatmul_int4_a8"}  # int8 activations (AVX-512 VNNI builds)
 PAGED_TARGET = "jaxformer_paged_attention"  # the same library's paged attention (`jaxformer.paged`)
 
 _STATE = {}  # "reason": why the kernel cannot run (None: registered), "source": "installed"/"cache"; set once
@@ -89,6 +90,10 @@ def _register(path):
     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(handlers[bits]), platform="cpu")
   jax.ffi.register_ffi_target(PAGED_TARGET, jax.ffi.pycapsule(lib.JfPagedAttention), platform="cpu")
   _STATE["gemm_rows"] = int(lib.JfQmatmulGemmRows())
+  _STATE["vnni"] = bool(lib.JfQmatmulHasVnni())
+  if _STATE["vnni"]:
+    for bits, handler in ((8, lib.JfQmatmulInt8A8), (4, lib.JfQmatmulInt4A8)):
+      jax.ffi.register_ffi_target(A8_TARGETS[bits], jax.ffi.pycapsule(handler), platform="cpu")
 
 
 def _load():
@@ -120,15 +125,23 @@ def gemm_rows():
   return None if unavailable() else (_STATE.get("gemm_rows") or None)
 
 
+def vnni():
+  """True where the kernel has its int8-activation products (AVX-512 VNNI builds: `qmatmul.matmul`'s
+  activations="int8")."""
+  return not unavailable() and _STATE.get("vnni", False)
+
+
 def bits_of(q):
   """8, 4 or 32: the scheme of a `qkernel` (int8, packed uint8, float32 output-major; `jaxformer.qmatmul`)."""
   return {jnp.dtype(jnp.int8): 8, jnp.dtype(jnp.uint8): 4, jnp.dtype(jnp.float32): 32}[jnp.dtype(q.dtype)]
 
 
-def call(x, q, scale):
-  """x [M, K] float32 . the quantized kernel (q, scale as in `jaxformer.qmatmul`) -> [M, N] float32 (the C++ kernel)."""
+def call(x, q, scale, activations="float"):
+  """x [M, K] float32 . the quantized kernel (q, scale as in `jaxformer.qmatmul`) -> [M, N] float32 (the C++ kernel);
+  activations="int8": x quantized to int8 in blocks of 32 inputs first (`vnni()` builds)."""
   reason = unavailable()  # builds and registers the kernel on first use
   if reason:
     raise RuntimeError(reason)
   out = jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32)
-  return jax.ffi.ffi_call(TARGETS[bits_of(q)], out, vmap_method="sequential")(x, q, scale)
+  target = A8_TARGETS[bits_of(q)] if activations == "int8" else TARGETS[bits_of(q)]
+  return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, q, scale)

@@ -163,17 +163,48 @@ def kernel_max_rows(bits):
   return GEMM_MAX_ROWS[bits] if qkernel.gemm_rows() else KERNEL_MAX_ROWS[bits]
 
 
-def matmul(x, q, scale):
+def a8_unavailable(x, q, scale):
+  """None where `matmul(x, q, scale, activations="int8")` runs on int8 activations on CPU (the kernel's VNNI
+  product), else why not (a short phrase; a call of fewer than A8_MIN_ROWS rows, a decode step, is not asked)."""
+  if bits_of(q) == 32:
+    return "float32 weights"
+  if x.dtype != jnp.float32:
+    return f"activations are {x.dtype}, the CPU kernel takes float32"
+  if not qkernel.vnni():
+    return qkernel.unavailable() or "the CPU kernel was built without AVX-512 VNNI"
+  if bits_of(q) == 4 and (q.shape[1] * 2 // scale.shape[1]) % 32:
+    return f"int4 groups of {q.shape[1] * 2 // scale.shape[1]} inputs (int8 activations take multiples of 32)"
+  return None
+
+
+# Rows from which activations="int8" quantizes them: prefill and eval, not decode steps (see `matmul`).
+A8_MIN_ROWS = 25
+
+
+def matmul(x, q, scale, activations="float"):
   """x [M, K] (float) times the quantized kernel -> [M, N] float32: the one quantized product.
 
   On CPU with at most `kernel_max_rows(bits)` rows, float32 activations and the kernel built, the C++
   kernel; otherwise the XLA path (`xla_matmul`; on CPU its conversion ordered after x, `_after`), except int4
   on TPU where `qpallas.blocks` fits: its Pallas kernel. Why the XLA path runs on CPU at few rows is logged
-  once per reason."""
+  once per reason.
+
+  activations="int8" (opt-in, `model.quant_activations`): a call of at least A8_MIN_ROWS rows on CPU quantizes x
+  to int8 in blocks of 32 inputs (a float32 scale each, max |x| / 127) and multiplies integers (the kernel's
+  AVX-512 VNNI product; `a8_unavailable` says where it runs, and why not is logged once). That changes the result
+  (by about 1% of the largest output on random data; a model's NLL: BENCHMARKS.md); decode steps, other devices
+  and calls it cannot take run the weight-only product above."""
   rows = x.shape[0]
   default = xla_matmul
   if bits_of(q) == 4 and qpallas.blocks(rows, q.shape, scale.shape):  # on TPU, the Pallas int4 kernel
     default = lambda x, q, scale: jax.lax.platform_dependent(x, q, scale, tpu=qpallas.int4_matmul, default=xla_matmul)
+  if activations == "int8" and rows >= A8_MIN_ROWS:
+    why = a8_unavailable(x, q, scale)
+    if why is None:
+      a8 = lambda x, q, scale: qkernel.call(x, q, scale, activations="int8")
+      return jax.lax.platform_dependent(x, q, scale, cpu=a8, default=default)
+    if jax.default_backend() == "cpu":
+      _log_once(f"a8 {why}", f"quantized matmul: float activations ({why})")
   if rows <= kernel_max_rows(bits_of(q)):  # the C++ kernel where it runs
     why = f"activations are {x.dtype}, the CPU kernel takes float32" if x.dtype != jnp.float32 else qkernel.unavailable()
     if why is None:
@@ -263,14 +294,14 @@ def param_bytes(shapes, manifest=None, dtype="float32"):
   return out
 
 
-def dense_apply(module, x, n_in, features, use_bias):
+def dense_apply(module, x, n_in, features, use_bias, activations="float"):
   """TokenDense's product on quantized params: x [tokens, *in] -> [tokens, *features] in the module's dtype.
 
-  module: the TokenDense (its `qkernel`, `qscale` and optional `bias` params)."""
+  module: the TokenDense (its `qkernel`, `qscale` and optional `bias` params); activations as `matmul` takes it."""
   q, scale = module.get_variable("params", "qkernel"), module.get_variable("params", "qscale")
   k = math.prod(x.shape[x.ndim - n_in:])
   dtype = module.dtype or jnp.float32
-  y = matmul(x.reshape(x.shape[0], k).astype(dtype), q, scale)
+  y = matmul(x.reshape(x.shape[0], k).astype(dtype), q, scale, activations)
   features = features if isinstance(features, tuple) else (features,)
   y = y.reshape(x.shape[0], *features).astype(dtype)
   if use_bias:

@@ -1,6 +1,6 @@
 """Quantize a run's weights to int8 or int4 (weight-only) into a new workdir that eval/generate read as any other.
 
-    python -m jaxformer.quantize --workdir W --out Q --bits 8|4 [--group-size 128] [--step N]
+    python -m jaxformer.quantize --workdir W --out Q --bits 8|4 [--group-size 128] [--step N] [--activations int8]
 
 Every dense projection's kernel (attention q/k/v/out, FFN, cross-attention) and every MoE
 expert weight is stored as `jaxformer.qmatmul` describes: int8 with a float32 scale per output
@@ -99,8 +99,11 @@ def tree_bytes(tree):
   return sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
 
 
-def quantize_run(workdir, out, bits, group_size=128, step=None, embedding="int8", log=print):
-  """Writes the quantized copy of `workdir`'s checkpoint `step` (default: latest) to `out`; returns the manifest."""
+def quantize_run(workdir, out, bits, group_size=128, step=None, embedding="int8", log=print, activations="float"):
+  """Writes the quantized copy of `workdir`'s checkpoint `step` (default: latest) to `out`; returns the manifest.
+
+  activations: the new workdir's `model.quant_activations` ("int8": its prefill and eval products on int8
+  activations, `qmatmul.matmul`)."""
   if qmatmul.read_manifest(workdir) is not None:
     raise UserError(f"--workdir {workdir} is already quantized: quantize the float run it came from")
   if os.path.exists(os.path.join(out, "config.json")) or os.path.isdir(os.path.join(out, "checkpoints")):
@@ -121,7 +124,10 @@ def quantize_run(workdir, out, bits, group_size=128, step=None, embedding="int8"
   manifest.update(source=os.path.abspath(workdir), step=meta.get("step"))
   qmeta = {k: v for k, v in meta.items() if k not in ("lora_base", "lora_base_step")}
   checkpoint_lib.save_params(out, qparams, step=meta.get("step") or 0, meta={**qmeta, "quantized": f"int{bits}"})
-  qcfg = config_lib.replace(cfg, **{"model.scan_layers": False, "train.lora_rank": 0})
+  if activations == "int8" and bits == 4 and group_size % 32:  # (a kernel smaller than a group: logged at run time)
+    raise UserError(f"--activations int8 with int4 takes a --group-size that is a multiple of 32, not {group_size}")
+  qcfg = config_lib.replace(cfg, **{"model.scan_layers": False, "train.lora_rank": 0,
+                                    "model.quant_activations": activations})
   with open(os.path.join(out, "config.json"), "w") as f:
     f.write(config_lib.to_json(qcfg))
   with open(os.path.join(out, qmatmul.MANIFEST), "w") as f:
@@ -151,8 +157,13 @@ def main(argv=None):
   parser.add_argument("--embedding", default="int8", choices=qmatmul.EMBEDDINGS,
                       help="the token embeddings and an untied output layer: int8 per row (default), int4 in groups "
                            "of --group-size along d_model, or float32")
+  parser.add_argument("--activations", default="float", choices=("float", "int8"),
+                      help="int8: the new workdir's prefill and eval products quantize their activations to int8 "
+                           "(blocks of 32 inputs) for the CPU's VNNI product: faster, not exact "
+                           "(model.quant_activations; default float)")
   args = parser.parse_args(argv)
-  quantize_run(args.workdir, args.out, args.bits, args.group_size, args.step, args.embedding)
+  quantize_run(args.workdir, args.out, args.bits, args.group_size, args.step, args.embedding,
+               activations=args.activations)
 
 
 if __name__ == "__main__":

@@ -304,6 +304,9 @@ def train_and_evaluate(cfg: config_lib.Config, workdir: str, log=print):
   workdir stops at once with one line naming this one.
   """
   _refuse_urls(cfg, workdir)
+  if cfg.model.quant_activations != "float":
+    raise UserError(f"model.quant_activations={cfg.model.quant_activations} is for a quantized workdir's eval, "
+                    "generate and serve, not for training: leave it at float")
   if lora.enabled(cfg):
     if not cfg.train.init_from:
       raise UserError("train.lora_rank needs train.init_from=WORKDIR: the frozen model the adapters are trained on")
