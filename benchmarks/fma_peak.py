@@ -1,4 +1,5 @@
-"""This CPU's float32 multiply-add ceiling: independent vector FMAs in registers, on 1 and on all cores.
+"""This CPU's float32 multiply-add ceiling (and int8's, with AVX-512 VNNI): independent vector multiply-adds in
+registers, on 1 and on all cores.
 
     python benchmarks/fma_peak.py [--seconds 1]
 
@@ -7,7 +8,10 @@ the system C++ compiler (`jaxformer.qbuild.compiler`, -O2 -march=native) into a 
 thread and on one thread per core. Nothing is read from memory, so this is the most float32 products a core can
 do; a GEMM reaches it only up to its loads and its bookkeeping. It sets the quantized prefill against float32's
 (BENCHMARKS.md "Quantized weights, part 7"): weight-only int8/int4 does float32's multiply-adds, so where XLA's
-float32 dot runs near this ceiling a quantized product can at best tie it.
+float32 dot runs near this ceiling a quantized product can at best tie it. Where the compiler targets AVX-512 VNNI
+the same loop on vpdpbusd (int8 x int8 -> int32, 64 multiply-adds an instruction) gives the ceiling of the
+opt-in int8 activations' product (`model.quant_activations=int8`; part 8), counted in the same units (2 ops a
+multiply-add).
 """
 
 import argparse
@@ -48,6 +52,19 @@ float Loop(long steps) {  // 24 independent chains: more than the FMA units' lat
   for (int i = 0; i < 24; ++i) s += Sum(a[i]);
   return s;
 }
+#if defined(__AVX512VNNI__)
+int LoopVnni(long steps) {  // the same with vpdpbusd: 16 lanes x 4 byte products each (int8 activations' product)
+  __m512i a[24];
+  for (int i = 0; i < 24; ++i) a[i] = _mm512_set1_epi32(i);
+  const __m512i b = _mm512_set1_epi32(0x01020304), c = _mm512_set1_epi32(0x01010101);
+  for (long t = 0; t < steps; ++t)
+#pragma GCC unroll 24
+    for (int i = 0; i < 24; ++i) a[i] = _mm512_dpbusd_epi32(a[i], b, c);
+  int s = 0;
+  for (int i = 0; i < 24; ++i) s += _mm512_reduce_add_epi32(a[i]);
+  return s;
+}
+#endif
 int main(int argc, char** argv) {
   const double seconds = atof(argv[1]);
   const int cores = atoi(argv[2]);
@@ -68,6 +85,17 @@ int main(int argc, char** argv) {
     printf("%d thread%s: %.1f GFLOP/s (%d-lane FMAs)\n", threads, threads > 1 ? "s" : "",
            threads * steps * 24.0 * kLanes * 2 / s / 1e9, kLanes);
   }
+#if defined(__AVX512VNNI__)
+  for (int threads : {1, cores}) {
+    auto t0 = std::chrono::steady_clock::now();
+    std::vector<std::thread> pool;
+    for (int i = 0; i < threads; ++i) pool.emplace_back([steps] { volatile int r = LoopVnni(steps); (void)r; });
+    for (auto& t : pool) t.join();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    printf("%d thread%s: %.1f GOP/s int8 (vpdpbusd: 64 multiply-adds, 128 ops, an instruction)\n", threads,
+           threads > 1 ? "s" : "", threads * steps * 24.0 * 128 / s / 1e9);
+  }
+#endif
 }
 """
 

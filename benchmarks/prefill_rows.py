@@ -1,6 +1,6 @@
 """Quantized prefill by rows, through each CPU path: the C++ kernel and the XLA path, against float32.
 
-    python benchmarks/prefill_rows.py [--rows 8,16,24,32,64,128,256,512] [--rounds 15] [--bits 8,4]
+    python benchmarks/prefill_rows.py [--rows 8,16,24,32,64,128,256,512] [--rounds 15] [--bits 8,4] [--a8]
     python benchmarks/prefill_rows.py --memory [--rows 1,512]    # each default program's temporaries, no timing
 
 GPT-2 124M shapes (random weights; int8 tables, int4 group 128), one prompt of `rows` tokens through
@@ -11,7 +11,9 @@ interleaved rounds (this machine's speed drifts by ~10% over a minute) and each 
 its ratio to float32's, followed by the quartiles of the rounds' own ratios (each round's time over that round's
 float32 time): the spread to read the ratio against. `qmatmul.GEMM_MAX_ROWS` (AVX-512 builds: the kernel at every
 row count, its blocked product from 25 rows for int8, 16 for int4) and `KERNEL_MAX_ROWS` (other builds) are set
-from this table; the last column says which path the default picks. --memory prints instead the temporaries
+from this table; the last column says which path the default picks. --a8 adds per scheme the opt-in int8 activations
+(`model.quant_activations=int8`: the kernel's VNNI product from `qmatmul.A8_MIN_ROWS` rows, the default paths
+below). --memory prints instead the temporaries
 (`memory_analysis()`) of the programs the defaults compile, float32 and each scheme; it runs without the kernel too (`JAXFORMER_QKERNEL=off`: the XLA path).
 """
 
@@ -31,11 +33,13 @@ from jaxformer import decode, qkernel, qmatmul, quantize
 from jaxformer import model as model_lib
 
 
-def gpt2_params(schemes):
+def gpt2_params(schemes, activations="float"):
   """(model, {32: float32 params, bits: quantized params per scheme}): GPT-2 124M, random weights, int8 tables,
-  int4 group 128."""
+  int4 group 128; the model's `quant_activations` as given."""
   cfg = config_lib.load_config("gpt2_small", ["model.dtype=float32"])
   model = model_lib.build_model(cfg.model)
+  if activations != "float":
+    return model_lib.build_model(config_lib.replace(cfg, **{"model.quant_activations": activations}).model), None
   floats = jax.tree.map(np.asarray, nn.unbox(jax.jit(model.init)(jax.random.key(0), jnp.ones((1, 8), jnp.int32))["params"]))
   params = {32: jax.tree.map(jnp.asarray, floats)}
   for bits in schemes:
@@ -86,6 +90,7 @@ def main(argv=None):
   parser.add_argument("--rounds", type=int, default=15)
   parser.add_argument("--bits", default="8,4")
   parser.add_argument("--memory", action="store_true", help="the default programs' temporaries, no timing")
+  parser.add_argument("--a8", action="store_true", help="also int8 activations (model.quant_activations=int8)")
   args = parser.parse_args(argv)
   if qkernel.unavailable() and not args.memory:
     sys.exit(f"prefill_rows: the C++ kernel is unavailable ({qkernel.unavailable()}): nothing to compare")
@@ -97,7 +102,9 @@ def main(argv=None):
   print(f"GPT-2 124M prefill, one prompt, medians of {args.rounds} interleaved rounds; "
         f"the kernel up to {', '.join(f'int{b}: {v} rows' for b, v in defaults.items())} "
         f"(blocked product from {qkernel.gemm_rows()} rows)", flush=True)
-  print(f"{'rows':>5} {'float32 ms':>11}" + "".join(f" {f'int{b} kernel':>16} {f'int{b} XLA':>16} {'picks':>7}"
+  a8_model = gpt2_params(schemes, "int8")[0] if args.a8 else None
+  paths = ("kernel", "XLA") + (("a8",) if args.a8 else ())
+  print(f"{'rows':>5} {'float32 ms':>11}" + "".join("".join(f" {f'int{b} {p}':>16}" for p in paths) + f" {'picks':>7}"
                                                   for b in schemes))
   for rows in (int(r) for r in args.rows.split(",")):
     variants = {"float32": (32, None)}
@@ -106,6 +113,8 @@ def main(argv=None):
       variants[f"int{bits} XLA"] = (bits, 1)           # calls of 2+ rows on the XLA path (the head's 1 row: kernel)
     runs = {name: (prefill_program(model, params[bits], bits, rows, limit)[0], [])
             for name, (bits, limit) in variants.items()}
+    for bits in schemes if args.a8 else ():
+      runs[f"int{bits} a8"] = (prefill_program(a8_model, params[bits], bits, rows)[0], [])
     for _ in range(args.rounds):
       for run, times in runs.values():
         start = time.perf_counter()
@@ -115,7 +124,7 @@ def main(argv=None):
     line = f"{rows:>5} {median['float32'] * 1e3:>11.1f}"
     for bits in schemes:
       picks = "kernel" if rows <= defaults[bits] else "XLA"
-      for path in ("kernel", "XLA"):
+      for path in paths:
         # the ratio of medians, and the quartiles of the rounds' own ratios (each round's time over its float32's)
         per_round = np.asarray(runs[f"int{bits} {path}"][1]) / np.asarray(runs["float32"][1])
         q1, q3 = np.percentile(per_round, [25, 75])

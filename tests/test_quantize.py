@@ -591,6 +591,7 @@ def test_an_avx2_build_has_no_blocked_product_and_streams_every_row(tmp_path):
                   "-o", str(out)], check=True, capture_output=True)
   lib = ctypes.cdll.LoadLibrary(str(out))
   assert lib.JfQmatmulGemmRows() == 0
+  assert lib.JfQmatmulHasVnni() == 0  # no int8-activation product either: `qkernel.vnni()` would be False
   targets = {8: "test_avx2_int8", 4: "test_avx2_int4"}
   jax.ffi.register_ffi_target(targets[8], jax.ffi.pycapsule(lib.JfQmatmulInt8), platform="cpu")
   jax.ffi.register_ffi_target(targets[4], jax.ffi.pycapsule(lib.JfQmatmulInt4), platform="cpu")

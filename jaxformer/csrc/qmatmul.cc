@@ -566,7 +566,7 @@ inline void ConvertInt4(const uint8_t* q, const float* s, int64_t gh, int64_t j0
 // int8 activations (`model.quant_activations=int8`, opt-in; AVX-512 VNNI): a call's rows quantized to int8 in blocks
 // of 32 inputs, a float32 scale each (llama.cpp's Q8_0 blocks), and multiplied with the int8 (or unpacked int4)
 // weights by vpdpbusd: 64 multiply-adds an instruction where a float32 FMA does 16 (on this Zen 4, half as many
-// instructions a cycle: twice float32's rate, `benchmarks/fma_peak.py --vnni`). vpdpbusd multiplies unsigned by
+// instructions a cycle: twice float32's rate, `benchmarks/fma_peak.py`). vpdpbusd multiplies unsigned by
 // signed bytes, so the weights go in as w + 128 (u8) and each block's sum loses 128 * (the block's sum of its int8
 // inputs), exactly, in int32. Per (row, output): y = sum over blocks b of (s_x[b] * s_w[b]) * (integer dot of
 // block b), the integer dots exact, the blocks summed in float32 in order (int8 weights: s_w applied once at the
@@ -710,10 +710,13 @@ void GemmA8(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t
         for (int64_t p = 0; p * kA8Rows < rows; ++p) {
           PanelA8(a.q.data() + p * words * kA8Rows, a.scale.data() + p * kA8Rows * blocks,
                   a.corr.data() + p * kA8Rows * blocks, blocks, w.data(), ws.empty() ? nullptr : ws.data(), out);
-          for (int64_t r = 0; r < std::min<int64_t>(kA8Rows, rows - p * kA8Rows); ++r) {
-            float* yr = y + (m0 + p * kA8Rows + r) * N + n0;
-            for (int64_t j = 0; j < nn; ++j) yr[j] = bits == 8 ? out[r * kA8Out + j] * s[n0 + j] : out[r * kA8Out + j];
-          }
+          for (int64_t r = 0; r < std::min<int64_t>(kA8Rows, rows - p * kA8Rows); ++r)
+            for (int64_t v = 0; 16 * v < nn; ++v) {
+              const __mmask16 mask = nn - 16 * v >= 16 ? 0xFFFF : (1u << (nn - 16 * v)) - 1;
+              __m512 o = _mm512_load_ps(out + r * kA8Out + 16 * v);
+              if (bits == 8) o = _mm512_mul_ps(o, _mm512_maskz_loadu_ps(mask, s + n0 + 16 * v));  // the int8 scale
+              _mm512_mask_storeu_ps(y + (m0 + p * kA8Rows + r) * N + n0 + 16 * v, mask, o);
+            }
         }
       }
     }, chunks);
