@@ -10,8 +10,8 @@ against float32; and greedy continuations (`decode.generate`, temperature 0) of 
 prompts cut from the validation text at even spacing: the share of the new tokens equal to
 float32's at the same position (strict: after a first difference the rest rarely match), and
 the mean position of the first difference. `--activations float,int8` adds each scheme with int8 activations
-(`model.quant_activations=int8`: the validation NLL's products and the prompts' prefill on the kernel's VNNI
-product; the decode steps, 20 rows, keep float activations).
+(`model.quant_activations=int8`: the products of `qmatmul.A8_MIN_ROWS` rows or more on the kernel's VNNI product:
+the validation NLL's, the prompts' prefill, and the decode steps of the 20 prompts).
 """
 
 import argparse
@@ -72,7 +72,7 @@ def main(argv=None):
   for name, (nll, tokens) in results.items():
     same = tokens == base_tokens
     first = np.where(same.all(1), tokens.shape[1], np.argmin(same, axis=1))
-    print(f"| {name} | {nll:.4f} | {100 * (nll / base_nll - 1):+.2f}% | {100 * same.mean():.1f}% | "
+    print(f"| {name} | {nll:.5f} | {100 * (nll / base_nll - 1):+.3f}% | {100 * same.mean():.1f}% | "
           f"{first.mean():.1f} of {tokens.shape[1]} |")
 
 

@@ -78,7 +78,7 @@ class ModelConfig:
   attention_dropout_rate: float = 0.0
   dtype: str = "float32"            # compute dtype; parameters stay float32
   matmul_dtype: str = "float32"     # bfloat16: products on bf16 operands, f32 accumulation (CPU/TPU path)
-  quant_activations: str = "float"  # int8: a quantized workdir's products of many rows (prefill, eval) on int8
+  quant_activations: str = "float"  # int8: a quantized workdir's products of 16+ rows (prefill, eval) on int8
                                     # activations, per 32 inputs (CPU, AVX-512 VNNI; jaxformer.qmatmul.matmul)
   attention_impl: str = "auto"      # auto | einsum (dense) | tiled | xla | cudnn | splash (layers.choose_attention)
   scan_layers: bool = False         # the blocks of each stack under nn.scan, params stacked on a `layers` axis

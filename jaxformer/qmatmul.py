@@ -165,7 +165,7 @@ def kernel_max_rows(bits):
 
 def a8_unavailable(x, q, scale):
   """None where `matmul(x, q, scale, activations="int8")` runs on int8 activations on CPU (the kernel's VNNI
-  product), else why not (a short phrase; a call of fewer than A8_MIN_ROWS rows, a decode step, is not asked)."""
+  product), else why not (a short phrase; calls of fewer than A8_MIN_ROWS rows are not asked)."""
   if bits_of(q) == 32:
     return "float32 weights"
   if x.dtype != jnp.float32:
@@ -177,8 +177,12 @@ def a8_unavailable(x, q, scale):
   return None
 
 
-# Rows from which activations="int8" quantizes them: prefill and eval, not decode steps (see `matmul`).
-A8_MIN_ROWS = 25
+# Rows from which activations="int8" quantizes them (see `matmul`): prefill and eval, and decode steps of as many
+# sequences. GPT-2 124M prefill, int8 activations against the weight-only kernel (x float32's time, BENCHMARKS.md
+# "Quantized weights, part 8"): 4 rows 0.65x / 0.43x, 8 rows 0.70x / 0.56x, 16 rows 0.59x / 0.73x, 24 rows 0.65x /
+# 0.87x (int8; int4 alike): below 16 rows the integer product's per-call packing of the weights costs more than it
+# saves.
+A8_MIN_ROWS = 16
 
 
 def matmul(x, q, scale, activations="float"):
@@ -192,8 +196,8 @@ def matmul(x, q, scale, activations="float"):
   activations="int8" (opt-in, `model.quant_activations`): a call of at least A8_MIN_ROWS rows on CPU quantizes x
   to int8 in blocks of 32 inputs (a float32 scale each, max |x| / 127) and multiplies integers (the kernel's
   AVX-512 VNNI product; `a8_unavailable` says where it runs, and why not is logged once). That changes the result
-  (by about 1% of the largest output on random data; a model's NLL: BENCHMARKS.md); decode steps, other devices
-  and calls it cannot take run the weight-only product above."""
+  (by about 1% of the largest output on random data; a model's NLL: BENCHMARKS.md); calls of fewer rows (most decode
+  steps), other devices and calls it cannot take run the weight-only product above."""
   rows = x.shape[0]
   default = xla_matmul
   if bits_of(q) == 4 and qpallas.blocks(rows, q.shape, scale.shape):  # on TPU, the Pallas int4 kernel
