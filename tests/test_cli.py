@@ -78,7 +78,7 @@ def test_eval_overrides_are_decode_and_data_only(tiny_run):
   workdir = tiny_run[0]
   cfg = evaluate.load_run(workdir, log=lambda *a: None, overrides=["decode.alpha=1.5"])[0]
   assert cfg.decode.alpha == 1.5
-  with pytest.raises(UserError, match="decode.* and data.* overrides only"):
+  with pytest.raises(UserError, match="decode.*, data.* and model.quant_activations overrides only"):
     evaluate.load_run(workdir, log=lambda *a: None, overrides=["model.d_model=8"])
 
 
