@@ -76,25 +76,21 @@ int main(int argc, char** argv) {
     steps *= 2;
   }
   steps *= 4;
-  for (int threads : {1, cores}) {
+  // seconds for `threads` threads each running loop(steps)
+  auto timed = [steps](int threads, auto loop) {
     auto t0 = std::chrono::steady_clock::now();
     std::vector<std::thread> pool;
-    for (int i = 0; i < threads; ++i) pool.emplace_back([steps] { volatile float r = Loop(steps); (void)r; });
+    for (int i = 0; i < threads; ++i) pool.emplace_back([steps, loop] { volatile auto r = loop(steps); (void)r; });
     for (auto& t : pool) t.join();
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  for (int threads : {1, cores})
     printf("%d thread%s: %.1f GFLOP/s (%d-lane FMAs)\n", threads, threads > 1 ? "s" : "",
-           threads * steps * 24.0 * kLanes * 2 / s / 1e9, kLanes);
-  }
+           threads * steps * 24.0 * kLanes * 2 / timed(threads, Loop) / 1e9, kLanes);
 #if defined(__AVX512VNNI__)
-  for (int threads : {1, cores}) {
-    auto t0 = std::chrono::steady_clock::now();
-    std::vector<std::thread> pool;
-    for (int i = 0; i < threads; ++i) pool.emplace_back([steps] { volatile int r = LoopVnni(steps); (void)r; });
-    for (auto& t : pool) t.join();
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (int threads : {1, cores})
     printf("%d thread%s: %.1f GOP/s int8 (vpdpbusd: 64 multiply-adds, 128 ops, an instruction)\n", threads,
-           threads > 1 ? "s" : "", threads * steps * 24.0 * 128 / s / 1e9);
-  }
+           threads > 1 ? "s" : "", threads * steps * 24.0 * 128 / timed(threads, LoopVnni) / 1e9);
 #endif
 }
 """

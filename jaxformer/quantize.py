@@ -104,6 +104,8 @@ def quantize_run(workdir, out, bits, group_size=128, step=None, embedding="int8"
 
   activations: the new workdir's `model.quant_activations` ("int8": its prefill and eval products on int8
   activations, `qmatmul.matmul`)."""
+  if activations == "int8" and bits == 4 and group_size % 32:  # (a kernel smaller than a group: logged at run time)
+    raise UserError(f"--activations int8 with int4 takes a --group-size that is a multiple of 32, not {group_size}")
   if qmatmul.read_manifest(workdir) is not None:
     raise UserError(f"--workdir {workdir} is already quantized: quantize the float run it came from")
   if os.path.exists(os.path.join(out, "config.json")) or os.path.isdir(os.path.join(out, "checkpoints")):
@@ -124,8 +126,6 @@ def quantize_run(workdir, out, bits, group_size=128, step=None, embedding="int8"
   manifest.update(source=os.path.abspath(workdir), step=meta.get("step"))
   qmeta = {k: v for k, v in meta.items() if k not in ("lora_base", "lora_base_step")}
   checkpoint_lib.save_params(out, qparams, step=meta.get("step") or 0, meta={**qmeta, "quantized": f"int{bits}"})
-  if activations == "int8" and bits == 4 and group_size % 32:  # (a kernel smaller than a group: logged at run time)
-    raise UserError(f"--activations int8 with int4 takes a --group-size that is a multiple of 32, not {group_size}")
   qcfg = config_lib.replace(cfg, **{"model.scan_layers": False, "train.lora_rank": 0,
                                     "model.quant_activations": activations})
   with open(os.path.join(out, "config.json"), "w") as f:

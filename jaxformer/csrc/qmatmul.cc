@@ -806,17 +806,22 @@ ffi::Error Int4Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q,
 
 // int8 activations (GemmA8): built where the compiler targets AVX-512 VNNI, else an error (`JfQmatmulHasVnni`
 // tells jaxformer.qkernel not to call them).
+ffi::Error RunA8(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N, float* y, const void* q,
+                 int bits, const float* s, int64_t groups) {
+#ifdef JF_VNNI
+  GemmA8(pool, x, M, K, N, y, q, bits, s, groups);
+  return ffi::Error::Success();
+#else
+  return ffi::Error(ffi::ErrorCode::kUnimplemented, "qmatmul: int8 activations need an AVX-512 VNNI build");
+#endif
+}
+
 ffi::Error Int8A8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> s,
                       ffi::ResultBuffer<ffi::F32> y, ffi::ThreadPool pool) {
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = q.dimensions()[0];
   if (q.dimensions()[1] != K || s.element_count() != N)
     return ffi::Error::InvalidArgument("qmatmul int8 (int8 activations): shapes do not match x [M, K], q [N, K], s [N]");
-#ifdef JF_VNNI
-  GemmA8(pool, x.typed_data(), M, K, N, y->typed_data(), q.typed_data(), 8, s.typed_data(), 1);
-  return ffi::Error::Success();
-#else
-  return ffi::Error(ffi::ErrorCode::kUnimplemented, "qmatmul: int8 activations need an AVX-512 VNNI build");
-#endif
+  return RunA8(pool, x.typed_data(), M, K, N, y->typed_data(), q.typed_data(), 8, s.typed_data(), 1);
 }
 
 ffi::Error Int4A8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q, ffi::Buffer<ffi::F32> s,
@@ -826,12 +831,7 @@ ffi::Error Int4A8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q, ffi::Buff
   if (K % 2 || q.dimensions()[1] != K / 2 || s.dimensions()[0] != N || groups < 1 || K % groups || (K / groups) % 32)
     return ffi::Error::InvalidArgument(
         "qmatmul int4 (int8 activations): shapes do not match x [M, K], q [N, K/2], s [N, K/g] with g a multiple of 32");
-#ifdef JF_VNNI
-  GemmA8(pool, x.typed_data(), M, K, N, y->typed_data(), q.typed_data(), 4, s.typed_data(), groups);
-  return ffi::Error::Success();
-#else
-  return ffi::Error(ffi::ErrorCode::kUnimplemented, "qmatmul: int8 activations need an AVX-512 VNNI build");
-#endif
+  return RunA8(pool, x.typed_data(), M, K, N, y->typed_data(), q.typed_data(), 4, s.typed_data(), groups);
 }
 
 ffi::Error F32Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
