@@ -10,8 +10,9 @@ do; a GEMM reaches it only up to its loads and its bookkeeping. It sets the quan
 (BENCHMARKS.md "Quantized weights, part 7"): weight-only int8/int4 does float32's multiply-adds, so where XLA's
 float32 dot runs near this ceiling a quantized product can at best tie it. Where the compiler targets AVX-512 VNNI
 the same loop on vpdpbusd (int8 x int8 -> int32, 64 multiply-adds an instruction) gives the ceiling of the
-opt-in int8 activations' product (`model.quant_activations=int8`; part 8), counted in the same units (2 ops a
-multiply-add).
+opt-in int8 activations' product (`model.quant_activations=int8`; part 8), and with AVX-512 BF16 the same on
+vdpbf16ps (bf16 pairs into float32), counted in the same units (2 ops a multiply-add). BENCHMARKS.md part 9: on
+this Zen 4 all three issue one zmm instruction a cycle, so vpdpbusd's ceiling is 4x float32's, vdpbf16ps's 2x.
 """
 
 import argparse
@@ -52,16 +53,33 @@ float Loop(long steps) {  // 24 independent chains: more than the FMA units' lat
   for (int i = 0; i < 24; ++i) s += Sum(a[i]);
   return s;
 }
+// The integer and bf16 loops keep 12 chains: with 24, GCC 13 kept the integer vectors on the stack (a load and a
+// store around every instruction), which halved vpdpbusd's measured rate; 12 stay in registers and still exceed
+// the latency x throughput of each unit (4-5 cycles x 1 a cycle here).
+constexpr int kChains = 12;
 #if defined(__AVX512VNNI__)
-int LoopVnni(long steps) {  // the same with vpdpbusd: 16 lanes x 4 byte products each (int8 activations' product)
-  __m512i a[24];
-  for (int i = 0; i < 24; ++i) a[i] = _mm512_set1_epi32(i);
+int LoopVnni(long steps) {  // vpdpbusd: 16 lanes x 4 byte products each (int8 activations' product)
+  __m512i a[kChains];
+  for (int i = 0; i < kChains; ++i) a[i] = _mm512_set1_epi32(i);
   const __m512i b = _mm512_set1_epi32(0x01020304), c = _mm512_set1_epi32(0x01010101);
   for (long t = 0; t < steps; ++t)
-#pragma GCC unroll 24
-    for (int i = 0; i < 24; ++i) a[i] = _mm512_dpbusd_epi32(a[i], b, c);
+#pragma GCC unroll 12
+    for (int i = 0; i < kChains; ++i) a[i] = _mm512_dpbusd_epi32(a[i], b, c);
   int s = 0;
-  for (int i = 0; i < 24; ++i) s += _mm512_reduce_add_epi32(a[i]);
+  for (int i = 0; i < kChains; ++i) s += _mm512_reduce_add_epi32(a[i]);
+  return s;
+}
+#endif
+#if defined(__AVX512BF16__)
+float LoopBf16(long steps) {  // vdpbf16ps: 16 lanes x 2 bf16 products each, summed into float32
+  __m512 a[kChains];
+  for (int i = 0; i < kChains; ++i) a[i] = _mm512_set1_ps(i * 1e-3f);
+  const __m512bh b = (__m512bh)_mm512_set1_epi16(0x3f80), c = (__m512bh)_mm512_set1_epi16(0x3380);  // 1, ~6e-8
+  for (long t = 0; t < steps; ++t)
+#pragma GCC unroll 12
+    for (int i = 0; i < kChains; ++i) a[i] = _mm512_dpbf16_ps(a[i], b, c);
+  float s = 0;
+  for (int i = 0; i < kChains; ++i) s += _mm512_reduce_add_ps(a[i]);
   return s;
 }
 #endif
@@ -90,7 +108,12 @@ int main(int argc, char** argv) {
 #if defined(__AVX512VNNI__)
   for (int threads : {1, cores})
     printf("%d thread%s: %.1f GOP/s int8 (vpdpbusd: 64 multiply-adds, 128 ops, an instruction)\n", threads,
-           threads > 1 ? "s" : "", threads * steps * 24.0 * 128 / timed(threads, LoopVnni) / 1e9);
+           threads > 1 ? "s" : "", threads * steps * kChains * 128.0 / timed(threads, LoopVnni) / 1e9);
+#endif
+#if defined(__AVX512BF16__)
+  for (int threads : {1, cores})
+    printf("%d thread%s: %.1f GFLOP/s bf16 (vdpbf16ps: 32 multiply-adds, 64 ops, an instruction)\n", threads,
+           threads > 1 ? "s" : "", threads * steps * kChains * 64.0 / timed(threads, LoopBf16) / 1e9);
 #endif
 }
 """

@@ -565,8 +565,8 @@ inline void ConvertInt4(const uint8_t* q, const float* s, int64_t gh, int64_t j0
 // ---------------------------------------------------------------------------------------------------
 // int8 activations (`model.quant_activations=int8`, opt-in; AVX-512 VNNI): a call's rows quantized to int8 in blocks
 // of 32 inputs, a float32 scale each (llama.cpp's Q8_0 blocks), and multiplied with the int8 (or unpacked int4)
-// weights by vpdpbusd: 64 multiply-adds an instruction where a float32 FMA does 16 (on this Zen 4, half as many
-// instructions a cycle: twice float32's rate, `benchmarks/fma_peak.py`). vpdpbusd multiplies unsigned by
+// weights by vpdpbusd: 64 multiply-adds an instruction where a float32 FMA does 16 (on this Zen 4 both issue one a
+// cycle: 4x float32's rate, `benchmarks/fma_peak.py`). vpdpbusd multiplies unsigned by
 // signed bytes, so the weights go in as w + 128 (u8) and each block's sum loses 128 * (the block's sum of its int8
 // inputs), exactly, in int32. Per (row, output): y = sum over blocks b of (s_x[b] * s_w[b]) * (integer dot of
 // block b), the integer dots exact, the blocks summed in float32 in order (int8 weights: s_w applied once at the
