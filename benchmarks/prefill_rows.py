@@ -1,6 +1,6 @@
 """Quantized prefill by rows, through each CPU path: the C++ kernel and the XLA path, against float32.
 
-    python benchmarks/prefill_rows.py [--rows 8,16,24,32,64,128,256,512] [--rounds 15] [--bits 8,4] [--a8]
+    python benchmarks/prefill_rows.py [--rows 8,16,24,32,64,128,256,512] [--rounds 15] [--bits 8,4] [--activations int8,int16]
     python benchmarks/prefill_rows.py --memory [--rows 1,512]    # each default program's temporaries, no timing
 
 GPT-2 124M shapes (random weights; int8 tables, int4 group 128), one prompt of `rows` tokens through
@@ -11,9 +11,9 @@ interleaved rounds (this machine's speed drifts by ~10% over a minute) and each 
 its ratio to float32's, followed by the quartiles of the rounds' own ratios (each round's time over that round's
 float32 time): the spread to read the ratio against. `qmatmul.GEMM_MAX_ROWS` (AVX-512 builds: the kernel at every
 row count, its blocked product from 25 rows for int8, 16 for int4) and `KERNEL_MAX_ROWS` (other builds) are set
-from this table; the last column says which path the default picks. --a8 adds per scheme the opt-in int8 activations
-(`model.quant_activations=int8`: the kernel's VNNI product from `qmatmul.A8_MIN_ROWS` rows, the default paths
-below). --memory prints instead the temporaries
+from this table; the last column says which path the default picks. --activations adds per scheme the opt-in integer
+activations named (`model.quant_activations=int8` / `int16`: the kernel's VNNI product from `qmatmul.ACT_MIN_ROWS`
+rows, the default paths below). --memory prints instead the temporaries
 (`memory_analysis()`) of the programs the defaults compile, float32 and each scheme; it runs without the kernel too (`JAXFORMER_QKERNEL=off`: the XLA path).
 """
 
@@ -90,7 +90,8 @@ def main(argv=None):
   parser.add_argument("--rounds", type=int, default=15)
   parser.add_argument("--bits", default="8,4")
   parser.add_argument("--memory", action="store_true", help="the default programs' temporaries, no timing")
-  parser.add_argument("--a8", action="store_true", help="also int8 activations (model.quant_activations=int8)")
+  parser.add_argument("--activations", default="", help="also these integer activations, e.g. int8,int16 "
+                      "(model.quant_activations)")
   args = parser.parse_args(argv)
   if qkernel.unavailable() and not args.memory:
     sys.exit(f"prefill_rows: the C++ kernel is unavailable ({qkernel.unavailable()}): nothing to compare")
@@ -102,8 +103,9 @@ def main(argv=None):
   print(f"GPT-2 124M prefill, one prompt, medians of {args.rounds} interleaved rounds; "
         f"the kernel up to {', '.join(f'int{b}: {v} rows' for b, v in defaults.items())} "
         f"(blocked product from {qkernel.gemm_rows()} rows)", flush=True)
-  a8_model = gpt2_params(schemes, "int8")[0] if args.a8 else None
-  paths = ("kernel", "XLA") + (("a8",) if args.a8 else ())
+  acts = [a for a in args.activations.split(",") if a]
+  act_models = {act: gpt2_params(schemes, act)[0] for act in acts}
+  paths = ("kernel", "XLA") + tuple(f"a{qkernel.ACT_BITS[act]}" for act in acts)
   print(f"{'rows':>5} {'float32 ms':>11}" + "".join("".join(f" {f'int{b} {p}':>16}" for p in paths) + f" {'picks':>7}"
                                                   for b in schemes))
   for rows in (int(r) for r in args.rows.split(",")):
@@ -113,8 +115,9 @@ def main(argv=None):
       variants[f"int{bits} XLA"] = (bits, 1)           # calls of 2+ rows on the XLA path (the head's 1 row: kernel)
     runs = {name: (prefill_program(model, params[bits], bits, rows, limit)[0], [])
             for name, (bits, limit) in variants.items()}
-    for bits in schemes if args.a8 else ():
-      runs[f"int{bits} a8"] = (prefill_program(a8_model, params[bits], bits, rows)[0], [])
+    for act, act_model in act_models.items():
+      for bits in schemes:
+        runs[f"int{bits} a{qkernel.ACT_BITS[act]}"] = (prefill_program(act_model, params[bits], bits, rows)[0], [])
     for _ in range(args.rounds):
       for run, times in runs.values():
         start = time.perf_counter()

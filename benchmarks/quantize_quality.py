@@ -1,7 +1,7 @@
 """Quality of quantized weights on a trained LM: validation NLL and greedy agreement, float32 vs int8/int4.
 
     python benchmarks/quantize_quality.py --workdir runs/shakespeare_char [--bits 8,4] [--group-size 128] \
-        [--prompts 20] [--prompt-len 32] [--new-tokens 100] [--embedding int8|int4|float] [--activations float,int8]
+        [--prompts 20] [--prompt-len 32] [--new-tokens 100] [--embedding int8|int4|float] [--activations float,int8,int16]
 
 Quantizes the run's latest checkpoint with `jaxformer.quantize` into temporary workdirs, reads
 each back with `evaluate.load_run` (as eval.py and generate do), and reports per variant:
@@ -9,9 +9,9 @@ the validation split's NLL per token (`evaluate.perplexity`, eval.py's number) a
 against float32; and greedy continuations (`decode.generate`, temperature 0) of `--prompts`
 prompts cut from the validation text at even spacing: the share of the new tokens equal to
 float32's at the same position (strict: after a first difference the rest rarely match), and
-the mean position of the first difference. `--activations float,int8` adds each scheme with int8 activations
-(`model.quant_activations=int8`: the products of `qmatmul.A8_MIN_ROWS` rows or more on the kernel's VNNI product:
-the validation NLL's, the prompts' prefill, and the decode steps of the 20 prompts).
+the mean position of the first difference. `--activations float,int8,int16` adds each scheme with int8 / int16
+activations (`model.quant_activations`: the products of `qmatmul.ACT_MIN_ROWS` rows or more on the kernel's VNNI
+product: the validation NLL's, the prompts' prefill, and the decode steps of the 20 prompts).
 """
 
 import argparse
@@ -40,7 +40,7 @@ def main(argv=None):
   parser.add_argument("--prompts", type=int, default=20)
   parser.add_argument("--prompt-len", type=int, default=32)
   parser.add_argument("--new-tokens", type=int, default=100)
-  parser.add_argument("--activations", default="float", help="float, int8 or both (float,int8)")
+  parser.add_argument("--activations", default="float", help="float, int8, int16 or a list (float,int8,int16)")
   args = parser.parse_args(argv)
   quiet = lambda *a, **k: None
   cfg, model, params, tok, meta = evaluate.load_run(args.workdir, log=quiet)
@@ -58,7 +58,7 @@ def main(argv=None):
       quantize.quantize_run(args.workdir, out, bits, args.group_size, embedding=args.embedding, log=print)
       for act in args.activations.split(","):
         _, qmodel, qparams, _, _ = evaluate.load_run(out, log=quiet, overrides=[f"model.quant_activations={act}"])
-        runs[f"int{bits}" + (" + int8 activations" if act == "int8" else "")] = (qmodel, qparams)
+        runs[f"int{bits}" + (f" + {act} activations" if act != "float" else "")] = (qmodel, qparams)
     results = {}
     for name, (m, p) in runs.items():
       t = time.perf_counter()

@@ -78,8 +78,8 @@ class ModelConfig:
   attention_dropout_rate: float = 0.0
   dtype: str = "float32"            # compute dtype; parameters stay float32
   matmul_dtype: str = "float32"     # bfloat16: products on bf16 operands, f32 accumulation (CPU/TPU path)
-  quant_activations: str = "float"  # int8: a quantized workdir's products of 16+ rows (prefill, eval) on int8
-                                    # activations, per 32 inputs (CPU, AVX-512 VNNI; jaxformer.qmatmul.matmul)
+  quant_activations: str = "float"  # int8 | int16: a quantized workdir's products of 16+ rows (prefill, eval) on
+                                    # integer activations, per 32 inputs (CPU, AVX-512 VNNI; qmatmul.matmul)
   attention_impl: str = "auto"      # auto | einsum (dense) | tiled | xla | cudnn | splash (layers.choose_attention)
   scan_layers: bool = False         # the blocks of each stack under nn.scan, params stacked on a `layers` axis
   remat: str = "none"               # none | full | dots_saveable | dots_with_no_batch_dims_saveable (per block)
@@ -374,7 +374,7 @@ def _validate(cfg):
              "norm": ("layernorm", "rmsnorm"), "norm_position": ("post", "pre"),
              "position": ("sinusoidal", "learned", "rope", "alibi", "none"),
              "rope_scaling": ("none", "linear", "ntk", "yarn", "llama3"), "dtype": ("float32", "bfloat16"),
-             "matmul_dtype": ("float32", "bfloat16"), "quant_activations": ("float", "int8"),
+             "matmul_dtype": ("float32", "bfloat16"), "quant_activations": ("float", "int8", "int16"),
              "attention_impl": ("auto", "einsum", "tiled", "xla", "cudnn", "splash"),
              "sinusoidal_layout": ("interleaved", "concat", "marian"),
              "kernel_init": ("xavier_uniform", "normal"),

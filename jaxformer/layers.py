@@ -102,7 +102,7 @@ class TokenDense(nn.DenseGeneral):
   copies of the activations (the reshapes themselves are free).
   A quantized workdir's kernel (`qkernel`, `qscale`: `jaxformer.qmatmul`) replaces `kernel`;
   the product then dequantizes it inside the matmul (float params trace what they did before);
-  `quant_activations` ("float" | "int8") is the quantized product's `activations` (`qmatmul.matmul`).
+  `quant_activations` ("float" | "int8" | "int16") is the quantized product's `activations` (`qmatmul.matmul`).
   """
   quant_activations: str = "float"
 

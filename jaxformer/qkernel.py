@@ -21,6 +21,7 @@ import threading
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxformer import qbuild
 
@@ -28,7 +29,8 @@ SOURCE = qbuild.SOURCE
 FLAGS = qbuild.FLAGS
 INSTALLED = qbuild.INSTALLED
 TARGETS = {8: "jaxformer_qmatmul_int8", 4: "jaxformer_qmatmul_int4", 32: "jaxformer_matmul_f32"}
-A8_TARGETS = {8: "jaxformer_qmatmul_int8_a8", 4: "jaxformer_qmatmul_int4_a8"}  # int8 activations (AVX-512 VNNI builds)
+A8_TARGETS = {8: "jaxformer_qmatmul_int8_a8", 4: "jaxformer_qmatmul_int4_a8"}  # integer activations (AVX-512 VNNI builds)
+ACT_BITS = {"int8": 8, "int16": 16}  # `model.quant_activations` -> the kernel's act_bits
 PAGED_TARGET = "jaxformer_paged_attention"  # the same library's paged attention (`jaxformer.paged`)
 
 _STATE = {}  # "reason": why the kernel cannot run (None: registered), "source": "installed"/"cache"; set once
@@ -126,8 +128,8 @@ def gemm_rows():
 
 
 def vnni():
-  """True where the kernel has its int8-activation products (AVX-512 VNNI builds: `qmatmul.matmul`'s
-  activations="int8")."""
+  """True where the kernel has its integer-activation products (AVX-512 VNNI builds: `qmatmul.matmul`'s
+  activations="int8" / "int16")."""
   return not unavailable() and _STATE.get("vnni", False)
 
 
@@ -138,10 +140,12 @@ def bits_of(q):
 
 def call(x, q, scale, activations="float"):
   """x [M, K] float32 . the quantized kernel (q, scale as in `jaxformer.qmatmul`) -> [M, N] float32 (the C++ kernel);
-  activations="int8": x quantized to int8 in blocks of 32 inputs first (`vnni()` builds)."""
+  activations="int8" / "int16": x quantized to int8 / int16 in blocks of 32 inputs first (`vnni()` builds)."""
   reason = unavailable()  # builds and registers the kernel on first use
   if reason:
     raise RuntimeError(reason)
   out = jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32)
-  target = A8_TARGETS[bits_of(q)] if activations == "int8" else TARGETS[bits_of(q)]
-  return jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, q, scale)
+  if activations == "float":
+    return jax.ffi.ffi_call(TARGETS[bits_of(q)], out, vmap_method="sequential")(x, q, scale)
+  return jax.ffi.ffi_call(A8_TARGETS[bits_of(q)], out, vmap_method="sequential")(
+      x, q, scale, act_bits=np.int32(ACT_BITS[activations]))

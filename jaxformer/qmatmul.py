@@ -164,8 +164,8 @@ def kernel_max_rows(bits):
 
 
 def a8_unavailable(x, q, scale):
-  """None where `matmul(x, q, scale, activations="int8")` runs on int8 activations on CPU (the kernel's VNNI
-  product), else why not (a short phrase; calls of fewer than A8_MIN_ROWS rows are not asked)."""
+  """None where `matmul(x, q, scale, activations="int8" / "int16")` runs on integer activations on CPU (the kernel's
+  VNNI product), else why not (a short phrase; calls of fewer than ACT_MIN_ROWS rows are not asked)."""
   if bits_of(q) == 32:
     return "float32 weights"
   if x.dtype != jnp.float32:
@@ -173,7 +173,7 @@ def a8_unavailable(x, q, scale):
   if not qkernel.vnni():
     return qkernel.unavailable() or "the CPU kernel was built without AVX-512 VNNI"
   if bits_of(q) == 4 and (q.shape[1] * 2 // scale.shape[1]) % 32:
-    return f"int4 groups of {q.shape[1] * 2 // scale.shape[1]} inputs (int8 activations take multiples of 32)"
+    return f"int4 groups of {q.shape[1] * 2 // scale.shape[1]} inputs (integer activations take multiples of 32)"
   return None
 
 
@@ -182,7 +182,7 @@ def a8_unavailable(x, q, scale):
 # "Quantized weights, part 8"): 4 rows 0.65x / 0.43x, 8 rows 0.70x / 0.56x, 16 rows 0.59x / 0.73x, 24 rows 0.65x /
 # 0.87x (int8; int4 alike): below 16 rows the integer product's per-call packing of the weights costs more than it
 # saves.
-A8_MIN_ROWS = 16
+ACT_MIN_ROWS = {"int8": 16, "int16": 16}
 
 
 def matmul(x, q, scale, activations="float"):
@@ -193,19 +193,20 @@ def matmul(x, q, scale, activations="float"):
   on TPU where `qpallas.blocks` fits: its Pallas kernel. Why the XLA path runs on CPU at few rows is logged
   once per reason.
 
-  activations="int8" (opt-in, `model.quant_activations`): a call of at least A8_MIN_ROWS rows on CPU quantizes x
-  to int8 in blocks of 32 inputs (a float32 scale each, max |x| / 127) and multiplies integers (the kernel's
-  AVX-512 VNNI product; `a8_unavailable` says where it runs, and why not is logged once). That changes the result
-  (by about 1% of the largest output on random data; a model's NLL: BENCHMARKS.md); calls of fewer rows (most decode
-  steps), other devices and calls it cannot take run the weight-only product above."""
+  activations="int8" / "int16" (opt-in, `model.quant_activations`): a call of at least ACT_MIN_ROWS rows on CPU
+  quantizes x to int8 / int16 in blocks of 32 inputs (a float32 scale each, max |x| / 127 or / 32767) and
+  multiplies integers (the kernel's AVX-512 VNNI product; `a8_unavailable` says where it runs, and why not is
+  logged once). That changes the result (int8: by about 1% of the largest output on random data; int16: levels 258x
+  finer; a model's NLL: BENCHMARKS.md); calls of fewer rows (most decode steps), other devices and calls it cannot
+  take run the weight-only product above."""
   rows = x.shape[0]
   default = xla_matmul
   if bits_of(q) == 4 and qpallas.blocks(rows, q.shape, scale.shape):  # on TPU, the Pallas int4 kernel
     default = lambda x, q, scale: jax.lax.platform_dependent(x, q, scale, tpu=qpallas.int4_matmul, default=xla_matmul)
-  if activations == "int8" and rows >= A8_MIN_ROWS:
+  if activations != "float" and rows >= ACT_MIN_ROWS[activations]:
     why = a8_unavailable(x, q, scale)
     if why is None:
-      a8 = lambda x, q, scale: qkernel.call(x, q, scale, activations="int8")
+      a8 = lambda x, q, scale: qkernel.call(x, q, scale, activations=activations)
       return jax.lax.platform_dependent(x, q, scale, cpu=a8, default=default)
     if jax.default_backend() == "cpu":
       _log_once(f"a8 {why}", f"quantized matmul: float activations ({why})")

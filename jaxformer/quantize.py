@@ -1,6 +1,6 @@
 """Quantize a run's weights to int8 or int4 (weight-only) into a new workdir that eval/generate read as any other.
 
-    python -m jaxformer.quantize --workdir W --out Q --bits 8|4 [--group-size 128] [--step N] [--activations int8]
+    python -m jaxformer.quantize --workdir W --out Q --bits 8|4 [--group-size 128] [--step N] [--activations int8|int16]
 
 Every dense projection's kernel (attention q/k/v/out, FFN, cross-attention) and every MoE
 expert weight is stored as `jaxformer.qmatmul` describes: int8 with a float32 scale per output
@@ -102,10 +102,11 @@ def tree_bytes(tree):
 def quantize_run(workdir, out, bits, group_size=128, step=None, embedding="int8", log=print, activations="float"):
   """Writes the quantized copy of `workdir`'s checkpoint `step` (default: latest) to `out`; returns the manifest.
 
-  activations: the new workdir's `model.quant_activations` ("int8": its prefill and eval products on int8
-  activations, `qmatmul.matmul`)."""
-  if activations == "int8" and bits == 4 and group_size % 32:  # (a kernel smaller than a group: logged at run time)
-    raise UserError(f"--activations int8 with int4 takes a --group-size that is a multiple of 32, not {group_size}")
+  activations: the new workdir's `model.quant_activations` ("int8" / "int16": its prefill and eval products on
+  integer activations, `qmatmul.matmul`)."""
+  if activations != "float" and bits == 4 and group_size % 32:  # (a kernel smaller than a group: logged at run time)
+    raise UserError(f"--activations {activations} with int4 takes a --group-size that is a multiple of 32, "
+                    f"not {group_size}")
   if qmatmul.read_manifest(workdir) is not None:
     raise UserError(f"--workdir {workdir} is already quantized: quantize the float run it came from")
   if os.path.exists(os.path.join(out, "config.json")) or os.path.isdir(os.path.join(out, "checkpoints")):
@@ -157,9 +158,9 @@ def main(argv=None):
   parser.add_argument("--embedding", default="int8", choices=qmatmul.EMBEDDINGS,
                       help="the token embeddings and an untied output layer: int8 per row (default), int4 in groups "
                            "of --group-size along d_model, or float32")
-  parser.add_argument("--activations", default="float", choices=("float", "int8"),
-                      help="int8: the new workdir's prefill and eval products quantize their activations to int8 "
-                           "(blocks of 32 inputs) for the CPU's VNNI product: faster, not exact "
+  parser.add_argument("--activations", default="float", choices=("float", "int8", "int16"),
+                      help="int8 / int16: the new workdir's prefill and eval products quantize their activations "
+                           "to int8 / int16 (blocks of 32 inputs) for the CPU's VNNI product: faster, not exact "
                            "(model.quant_activations; default float)")
   args = parser.parse_args(argv)
   quantize_run(args.workdir, args.out, args.bits, args.group_size, args.step, args.embedding,

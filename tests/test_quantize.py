@@ -112,10 +112,11 @@ def test_cpu_kernel_matches_xla_path(m, k, n, bits, group):
   assert (qkernel.TARGETS[bits] in jax.jit(qmatmul.matmul).lower(x, q, s).as_text()) == (m <= qmatmul.kernel_max_rows(bits))
 
 
-def _a8_reference(x, q, scale):
-  """numpy reference of the int8-activation product (`qmatmul.matmul(..., activations="int8")`), float64: each row's
-  blocks of 32 inputs (zeros past K) quantized as q = rint(x * (127 / max|x|)) in float32, scale max|x| / 127; the
-  block's integer dot with the integer weights, exact; then sum over blocks of x scale * w scale * dot."""
+def _a8_reference(x, q, scale, act_bits=8):
+  """numpy reference of the integer-activation product (`qmatmul.matmul(..., activations="int8" / "int16")`),
+  float64: each row's blocks of 32 inputs (zeros past K) quantized as q = rint(x * (L / max|x|)) in float32 with L =
+  127 (int8) or 32767 (int16), scale max|x| / L; the block's integer dot with the integer weights, exact; then the
+  sum over blocks of x scale * w scale * dot."""
   x = np.asarray(x, np.float32)
   m, k = x.shape
   if q.dtype == np.uint8:  # int4, two a byte: the even input in the low nibble, signed
@@ -127,24 +128,28 @@ def _a8_reference(x, q, scale):
   xp[:, :k], wp[:, :k] = x, w
   xb = xp.reshape(m, blocks, 32)
   amax = np.abs(xb).max(-1)
-  inv = np.float32(127) / np.where(amax > 0, amax, np.float32(1))
+  levels = np.float32(2 ** (act_bits - 1) - 1)
+  inv = levels / np.where(amax > 0, amax, np.float32(1))
   xq = np.rint(xb * np.where(amax > 0, inv, np.float32(0))[..., None]).astype(np.int64)
   dots = np.einsum("mbk,nbk->mnb", xq, wp.reshape(-1, blocks, 32)).astype(np.float64)
-  sx = (amax / np.float32(127)).astype(np.float64)[:, None, :]
+  sx = (amax / levels).astype(np.float64)[:, None, :]
   if q.dtype == np.uint8:
     sw = np.repeat(np.asarray(scale, np.float64), (k // scale.shape[1]) // 32, axis=1)[None]  # [1, N, blocks]
     return (dots * sx * sw).sum(-1)
   return (dots * sx).sum(-1) * np.asarray(scale, np.float64)[None]
 
 
-@pytest.mark.parametrize("m,k,n,bits,group", [(25, 100, 70, 8, 0), (30, 33, 5, 8, 0), (6, 64, 64, 8, 0),
-                                              (2, 7, 3, 8, 0), (37, 256, 129, 4, 64), (100, 768, 300, 4, 128),
-                                              (7, 96, 17, 4, 32), (64, 3072, 130, 8, 0), (50, 4096, 65, 4, 128),
-                                              # rows in two slabs (16 MiB of int8 rows: 2048 rows of 8192)
-                                              (2100, 8192, 5, 8, 0)])
-def test_int8_activation_kernel_matches_numpy_reference(m, k, n, bits, group):
-  """The int8-activation product (AVX-512 VNNI builds) against `_a8_reference`: row tails (panels of 6), output
-  tails (tiles of 64), K not a multiple of 32 or of 4, int4 groups of 32-128 inputs, a large input per row."""
+_A8_SHAPES = [(25, 100, 70, 8, 0), (30, 33, 5, 8, 0), (6, 64, 64, 8, 0), (2, 7, 3, 8, 0), (37, 256, 129, 4, 64),
+              (100, 768, 300, 4, 128), (7, 96, 17, 4, 32), (64, 3072, 130, 8, 0), (50, 4096, 65, 4, 128),
+              (2100, 8192, 5, 8, 0)]  # the last: rows in two slabs (16 MiB of int8 rows: 2048 rows of 8192; int16: 3)
+
+
+@pytest.mark.parametrize("act_bits", [8, 16])
+@pytest.mark.parametrize("m,k,n,bits,group", _A8_SHAPES)
+def test_int8_activation_kernel_matches_numpy_reference(m, k, n, bits, group, act_bits):
+  """The integer-activation product (AVX-512 VNNI builds; int8 and int16 rows) against `_a8_reference`: row tails
+  (panels of 6), output tails (tiles of 64), K not a multiple of 32 or of 4 (or 2), int4 groups of 32-128 inputs,
+  a large input per row."""
   if not qkernel.vnni():
     pytest.skip(qkernel.unavailable() or "the kernel was built without AVX-512 VNNI")
   rng = np.random.default_rng(m + k + n)
@@ -152,18 +157,20 @@ def test_int8_activation_kernel_matches_numpy_reference(m, k, n, bits, group):
   x = rng.standard_normal((m, k)).astype(np.float32)
   x[:, k // 2] *= 30  # an outlier input: its block's other inputs get few levels
   x[0, :min(k, 40)] = 0  # an all-zero block (scale 0)
-  got = np.asarray(jax.jit(lambda x, q, s: qkernel.call(x, q, s, activations="int8"))(x, q, s), np.float64)
-  want = _a8_reference(x, q, s)
+  act = f"int{act_bits}"
+  got = np.asarray(jax.jit(lambda x, q, s: qkernel.call(x, q, s, activations=act))(x, q, s), np.float64)
+  want = _a8_reference(x, q, s, act_bits)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-  # not the weight-only product: the activations' rounding shows (about 1% of the largest output, more beside
-  # the outlier)
+  # not the weight-only product: the activations' rounding shows (int8: about 1% of the largest output, more beside
+  # the outlier; int16: 258x finer levels)
   exact = np.asarray(qmatmul.xla_matmul(x, q, s))
-  assert 1e-4 < np.abs(got - exact).max() / np.abs(exact).max() < 0.1
+  off = np.abs(got - exact).max() / np.abs(exact).max()
+  assert (1e-4 < off < 0.1) if act_bits == 8 else (1e-7 < off < 1e-3)
 
 
-def test_int8_activations_take_many_rows_and_say_why_not(monkeypatch, caplog):
-  """`matmul(..., activations="int8")` runs the VNNI product from A8_MIN_ROWS rows, the weight-only one below;
-  an int4 group that is not a multiple of 32 keeps float activations and says so once."""
+def test_integer_activations_take_many_rows_and_say_why_not(monkeypatch, caplog):
+  """`matmul(..., activations="int8" / "int16")` runs the VNNI product from ACT_MIN_ROWS rows, the weight-only one
+  below; an int4 group that is not a multiple of 32 keeps float activations and says so once."""
   if not qkernel.vnni():
     pytest.skip(qkernel.unavailable() or "the kernel was built without AVX-512 VNNI")
   rng = np.random.default_rng(0)
@@ -171,17 +178,21 @@ def test_int8_activations_take_many_rows_and_say_why_not(monkeypatch, caplog):
   lowered = lambda m, q, s: jax.jit(lambda x, q, s: qmatmul.matmul(x, q, s, activations="int8")).lower(
       np.zeros((m, 96), np.float32), q, s).as_text()
   q8, s8 = qmatmul.quantize_int8(w)
-  assert qkernel.A8_TARGETS[8] in lowered(qmatmul.A8_MIN_ROWS, q8, s8)
-  assert qkernel.A8_TARGETS[8] not in lowered(qmatmul.A8_MIN_ROWS - 1, q8, s8)
+  assert qkernel.A8_TARGETS[8] in lowered(qmatmul.ACT_MIN_ROWS["int8"], q8, s8)
+  assert qkernel.A8_TARGETS[8] not in lowered(qmatmul.ACT_MIN_ROWS["int8"] - 1, q8, s8)
   assert qkernel.A8_TARGETS[8] not in jax.jit(qmatmul.matmul).lower(np.zeros((64, 96), np.float32), q8, s8).as_text()
+  int16 = lambda m: jax.jit(lambda x, q, s: qmatmul.matmul(x, q, s, activations="int16")).lower(
+      np.zeros((m, 96), np.float32), q8, s8).as_text()
+  assert "act_bits = 16" in int16(qmatmul.ACT_MIN_ROWS["int16"])
+  assert qkernel.A8_TARGETS[8] not in int16(qmatmul.ACT_MIN_ROWS["int16"] - 1)
   q4, s4 = qmatmul.quantize_int4(w, 48)
   monkeypatch.setattr(qmatmul, "_LOGGED", set())
   with caplog.at_level(logging.WARNING, logger="jaxformer.qmatmul"):
     for _ in range(2):
       assert qkernel.A8_TARGETS[4] not in lowered(64, q4, s4)
   said = [r.getMessage() for r in caplog.records if "float activations" in r.getMessage()]
-  assert said == ["quantized matmul: float activations (int4 groups of 48 inputs (int8 activations take multiples "
-                  "of 32))"]
+  assert said == ["quantized matmul: float activations (int4 groups of 48 inputs (integer activations take "
+                  "multiples of 32))"]
 
 
 @pytest.mark.parametrize("k,n", [(768, 300), (37, 13), (3072, 70)])
@@ -447,38 +458,44 @@ def test_commands_on_a_quantized_workdir(converted, tmp_path, capsys):
   assert e.value.code == 2 and "\n" not in err and err.startswith("error: --group-size 7"), err
 
 
-@pytest.mark.parametrize("name,bits", [("gpt2", 8), ("llama", 4)])
-def test_a_workdir_quantized_with_int8_activations(converted, tmp_path, monkeypatch, name, bits):
-  """`quantize --activations int8`: the new workdir's config says so, and its logits over 32 rows (every dense
-  product and the output layer take int8 activations) equal the same model with each product computed by
+@pytest.mark.parametrize("name,bits,act", [("gpt2", 8, "int8"), ("llama", 4, "int8"), ("gpt2", 4, "int16"),
+                                            ("llama", 8, "int16")])
+def test_a_workdir_quantized_with_integer_activations(converted, tmp_path, monkeypatch, name, bits, act):
+  """`quantize --activations int8|int16`: the new workdir's config says so, and its logits over 32 rows (every dense
+  product and the output layer take integer activations) equal the same model with each product computed by
   `_a8_reference`, and differ from float activations' (an eval override); a float workdir and training refuse it."""
   if not qkernel.vnni():
     pytest.skip(qkernel.unavailable() or "the kernel was built without AVX-512 VNNI")
   from jaxformer import config as config_lib, train  # pylint: disable=g-import-not-at-top
   workdir, cfg, _, _, _ = converted(name)
   out = str(tmp_path / "q")
-  quantize.main(["--workdir", workdir, "--out", out, "--bits", str(bits), "--group-size", "32", "--activations", "int8"])
+  quantize.main(["--workdir", workdir, "--out", out, "--bits", str(bits), "--group-size", "32", "--activations", act])
   qcfg, qmodel, qparams, _, _ = evaluate.load_run(out, log=QUIET)
-  assert qcfg.model.quant_activations == "int8"
+  assert qcfg.model.quant_activations == act
   ids = (np.arange(2 * 16).reshape(2, 16) % (cfg.model.vocab_size - 3) + 3).astype(np.int32)
   got = _logits(qmodel, qparams, ids)
-  calls = []
+  calls, act_bits = [], qkernel.ACT_BITS[act]
 
   def reference(x, q, s, activations="float"):
     calls.append(activations)
     out = jax.ShapeDtypeStruct((x.shape[0], q.shape[0]), jnp.float32)
-    return jax.pure_callback(lambda x, q, s: _a8_reference(x, q, s).astype(np.float32), out, x, q, s)
+    return jax.pure_callback(lambda x, q, s: _a8_reference(x, q, s, act_bits).astype(np.float32), out, x, q, s)
   with monkeypatch.context() as m:
     m.setattr(qkernel, "call", reference)
     want = _logits(qmodel, qparams, ids)
-  assert calls and set(calls) == {"int8"}
-  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+  assert calls and set(calls) == {act}
+  # relative to the largest logit: int16's finer levels also round differently where float32 and float64 layers
+  # below fed them inputs a rounding apart
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
   _, fmodel, fparams, _, _ = evaluate.load_run(out, log=QUIET, overrides=["model.quant_activations=float"])
-  assert np.abs(_logits(fmodel, fparams, ids) - got).max() > 1e-4
+  assert np.abs(_logits(fmodel, fparams, ids) - got).max() > (1e-4 if act == "int8" else 1e-7)
   with pytest.raises(UserError, match="quantize it first"):
-    evaluate.load_run(workdir, log=QUIET, overrides=["model.quant_activations=int8"])
+    evaluate.load_run(workdir, log=QUIET, overrides=[f"model.quant_activations={act}"])
+  with pytest.raises(UserError, match=f"--activations {act} with int4 takes a --group-size that is a multiple of 32"):
+    quantize.quantize_run(workdir, str(tmp_path / "g48"), 4, group_size=48, activations=act, log=QUIET)
+  assert not os.path.exists(tmp_path / "g48")  # refused before anything was written
   with pytest.raises(UserError, match="not for training"):
-    train.train_and_evaluate(config_lib.load_config("gpt2_tiny", ["model.quant_activations=int8"]),
+    train.train_and_evaluate(config_lib.load_config("gpt2_tiny", [f"model.quant_activations={act}"]),
                              str(tmp_path / "t"), log=QUIET)
 
 

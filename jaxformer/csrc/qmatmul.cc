@@ -563,34 +563,45 @@ inline void ConvertInt4(const uint8_t* q, const float* s, int64_t gh, int64_t j0
 }
 
 // ---------------------------------------------------------------------------------------------------
-// int8 activations (`model.quant_activations=int8`, opt-in; AVX-512 VNNI): a call's rows quantized to int8 in blocks
-// of 32 inputs, a float32 scale each (llama.cpp's Q8_0 blocks), and multiplied with the int8 (or unpacked int4)
-// weights by vpdpbusd: 64 multiply-adds an instruction where a float32 FMA does 16 (on this Zen 4 both issue one a
-// cycle: 4x float32's rate, `benchmarks/fma_peak.py`). vpdpbusd multiplies unsigned by
-// signed bytes, so the weights go in as w + 128 (u8) and each block's sum loses 128 * (the block's sum of its int8
-// inputs), exactly, in int32. Per (row, output): y = sum over blocks b of (s_x[b] * s_w[b]) * (integer dot of
-// block b), the integer dots exact, the blocks summed in float32 in order (int8 weights: s_w applied once at the
-// end). The reference this is tested against: `tests/test_quantize.py::a8_reference`.
+// Integer activations (`model.quant_activations=int8|int16`, opt-in; AVX-512 VNNI): a call's rows quantized in
+// blocks of 32 inputs, a float32 scale each (llama.cpp's Q8_0 blocks; int16 the same with 32767 levels a side), and
+// multiplied with the int8 (or unpacked int4) weights by an integer dot instruction. int8 rows: vpdpbusd, 64
+// multiply-adds an instruction where a float32 FMA does 16 (on this Zen 4 both issue one a cycle: 4x float32's
+// rate, `benchmarks/fma_peak.py`); it multiplies unsigned by signed bytes, so the weights go in as w + 128 (u8)
+// and each block's sum loses 128 * (the block's sum of its int8 inputs), exactly, in int32. int16 rows: vpdpwssd,
+// 32 multiply-adds (2x float32's rate), signed by signed, the weights sign-extended to 16 bits; its rounding of the
+// rows is 258x finer than int8's, far below the weights' own. Per (row, output): y = sum over blocks b of
+// (s_x[b] * s_w[b]) * (integer dot of block b), the integer dots exact (int16: at most 32 * 32767 * 127 < 2^31),
+// the blocks summed in float32 in order (int8 weights: s_w applied once at the end). The reference this is
+// tested against: `tests/test_quantize.py::_a8_reference`.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define JF_VNNI 1
 constexpr int64_t kA8Block = 32;  // inputs per activation scale
-constexpr int64_t kA8Words = kA8Block / 4;  // 4-byte words per block
 constexpr int kA8Rows = 6;        // rows per register tile (each word broadcast)
 constexpr int64_t kA8Out = 64;    // outputs per tile (4 vectors of 16): 24 int32 accumulators
 
-// Rows [0, M) of x [M, K] quantized: q [panels][kq / 4][kA8Rows] words of 4 inputs (rows past M zero), and per row
-// ([panels * kA8Rows][blocks]) its blocks' scales and corrections (128 * the block's sum of int8 inputs).
+// A = 8 or 16 (activation bits): inputs per 4-byte word, words per block, the largest quantized magnitude.
+template <int A>
+struct Act {
+  static constexpr int64_t kPerWord = A == 8 ? 4 : 2;
+  static constexpr int64_t kWords = kA8Block / kPerWord;
+  static constexpr float kMax = A == 8 ? 127.0f : 32767.0f;
+};
+
+// Rows [0, M) of x [M, K] quantized: q [panels][words][kA8Rows] words of 4 int8 or 2 int16 inputs (rows past M
+// zero), and per row ([panels * kA8Rows][blocks]) its blocks' scales and (int8) corrections (128 * the block's sum
+// of int8 inputs).
 struct RowsA8 {
   int64_t blocks = 0, words = 0;
   std::vector<int32_t> q, corr;
   std::vector<float> scale;
 };
 
-template <typename For>
+template <int A, typename For>
 RowsA8 QuantizeRows(const float* x, int64_t M, int64_t K, For parallel_for) {
   RowsA8 a;
   a.blocks = (K + kA8Block - 1) / kA8Block;
-  a.words = a.blocks * kA8Words;
+  a.words = a.blocks * Act<A>::kWords;
   const int64_t panels = (M + kA8Rows - 1) / kA8Rows;
   a.q.assign(panels * a.words * kA8Rows, 0);
   a.corr.assign(panels * kA8Rows * a.blocks, 0);
@@ -603,49 +614,75 @@ RowsA8 QuantizeRows(const float* x, int64_t M, int64_t K, For parallel_for) {
         const __mmask16 lo = n >= 16 ? 0xFFFF : (1u << n) - 1, hi = n >= 32 ? 0xFFFF : n > 16 ? (1u << (n - 16)) - 1 : 0;
         const __m512 v0 = _mm512_maskz_loadu_ps(lo, x + m * K + k), v1 = _mm512_maskz_loadu_ps(hi, x + m * K + k + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-        const __m512 inv = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+        const __m512 inv = _mm512_set1_ps(amax > 0 ? Act<A>::kMax / amax : 0.0f);
         const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
-        alignas(64) int8_t bytes[kA8Block];
-        _mm_store_si128(reinterpret_cast<__m128i*>(bytes), _mm512_cvtsepi32_epi8(q0));
-        _mm_store_si128(reinterpret_cast<__m128i*>(bytes + 16), _mm512_cvtsepi32_epi8(q1));
-        int32_t* dst = a.q.data() + (p * a.words + b * kA8Words) * kA8Rows + r;
-        for (int64_t w = 0; w < kA8Words; ++w) std::memcpy(dst + w * kA8Rows, bytes + 4 * w, 4);
-        a.corr[m * a.blocks + b] = 128 * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-        a.scale[m * a.blocks + b] = amax / 127.0f;
+        alignas(64) int8_t bytes[kA8Block * A / 8];
+        if constexpr (A == 8) {
+          _mm_store_si128(reinterpret_cast<__m128i*>(bytes), _mm512_cvtsepi32_epi8(q0));
+          _mm_store_si128(reinterpret_cast<__m128i*>(bytes + 16), _mm512_cvtsepi32_epi8(q1));
+          a.corr[m * a.blocks + b] = 128 * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        } else {
+          _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), _mm512_cvtsepi32_epi16(q0));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(bytes + 32), _mm512_cvtsepi32_epi16(q1));
+        }
+        int32_t* dst = a.q.data() + (p * a.words + b * Act<A>::kWords) * kA8Rows + r;
+        for (int64_t w = 0; w < Act<A>::kWords; ++w) std::memcpy(dst + w * kA8Rows, bytes + 4 * w, 4);
+        a.scale[m * a.blocks + b] = amax / Act<A>::kMax;
       }
     }
   });
   return a;
 }
 
-// 64 weights + 128 (u8) of output n, inputs [k, k + 64) (zero weights past K): int8 rows, or int4 rows unpacked
-// (byte j: input 2j in the low nibble, 2j + 1 in the high one, signed).
+// Output n's weights from input k, 16 words (zero weights past K), int8 rows or int4 rows unpacked (byte j: input
+// 2j in the low nibble, 2j + 1 in the high one, signed): A = 8, 64 inputs as w + 128 (u8); A = 16, 32 inputs as
+// int16.
+template <int A>
 inline __m512i WeightsA8(const void* stored, int bits, int64_t K, int64_t n, int64_t k) {
-  if (bits == 8) {
-    const int64_t left = std::max<int64_t>(0, K - k);
-    const __mmask64 mask = left >= 64 ? ~__mmask64{0} : (__mmask64{1} << left) - 1;
-    const __m512i w = _mm512_maskz_loadu_epi8(mask, static_cast<const int8_t*>(stored) + n * K + k);
-    return _mm512_xor_si512(w, _mm512_set1_epi8(-128));  // w + 128 mod 256: 0..255 for -128..127
+  const int64_t half = K / 2, j = k / 2;
+  if constexpr (A == 16) {
+    if (bits == 8) {
+      const int64_t left = std::max<int64_t>(0, K - k);
+      const __mmask32 mask = left >= 32 ? ~__mmask32{0} : (__mmask32{1} << left) - 1;
+      return _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, static_cast<const int8_t*>(stored) + n * K + k));
+    }
+    const int64_t left = std::max<int64_t>(0, half - j);
+    const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, static_cast<const uint8_t*>(stored) + n * half + j));
+    // each 32-bit lane: its byte's low nibble in the low 16 bits (input 2j), the high one in the high 16 (2j + 1);
+    // a nibble u holds the signed value (u ^ 8) - 8
+    const __m512i u = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(0x0F)),
+                                      _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0xF0)), 12));
+    return _mm512_sub_epi16(_mm512_xor_si512(u, _mm512_set1_epi32(0x00080008)), _mm512_set1_epi16(8));
+  } else {
+    if (bits == 8) {
+      const int64_t left = std::max<int64_t>(0, K - k);
+      const __mmask64 mask = left >= 64 ? ~__mmask64{0} : (__mmask64{1} << left) - 1;
+      const __m512i w = _mm512_maskz_loadu_epi8(mask, static_cast<const int8_t*>(stored) + n * K + k);
+      return _mm512_xor_si512(w, _mm512_set1_epi8(-128));  // w + 128 mod 256: 0..255 for -128..127
+    }
+    const int64_t left = std::max<int64_t>(0, half - j);
+    const __mmask32 mask = left >= 32 ? ~__mmask32{0} : (__mmask32{1} << left) - 1;
+    const __m512i b = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mask, static_cast<const uint8_t*>(stored) + n * half + j));
+    // each 16-bit lane: its byte's low nibble in the low byte (input 2j), the high nibble in the high byte (2j + 1);
+    // u ^ 8 + 120 is the value + 128
+    const __m512i u = _mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi16(0x0F)),
+                                      _mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0xF0)), 4));
+    return _mm512_add_epi8(_mm512_xor_si512(u, _mm512_set1_epi16(0x0808)), _mm512_set1_epi16(0x7878));
   }
-  const int64_t half = K / 2, j = k / 2, left = std::max<int64_t>(0, half - j);
-  const __mmask32 mask = left >= 32 ? ~__mmask32{0} : (__mmask32{1} << left) - 1;
-  const __m512i b = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mask, static_cast<const uint8_t*>(stored) + n * half + j));
-  // each 16-bit lane: its byte's low nibble in the low byte (input 2j), the high nibble in the high byte (2j + 1);
-  // a nibble u holds the signed value (u ^ 8) - 8, so u ^ 8 + 120 is the value + 128
-  const __m512i u = _mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi16(0x0F)),
-                                    _mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0xF0)), 4));
-  return _mm512_add_epi8(_mm512_xor_si512(u, _mm512_set1_epi16(0x0808)), _mm512_set1_epi16(0x7878));
 }
 
-// A tile's weights, outputs [n0, n0 + 64) (past N: zero weights), as w [words][64] int32: for each word of 4
-// inputs, the 64 outputs' 4 bytes, as vpdpbusd takes them (16 x 16 blocks of words transposed in registers).
+// A tile's weights, outputs [n0, n0 + 64) (past N: zero weights), as w [words][64] int32: for each word, the 64
+// outputs' words as the dot instruction takes them (16 x 16 blocks of words transposed in registers).
+template <int A>
 inline void PackWeightsA8(const void* stored, int bits, int64_t K, int64_t N, int64_t n0, int64_t words, int32_t* w) {
+  const __m512i zero = A == 8 ? _mm512_set1_epi8(-128) : _mm512_setzero_si512();  // a zero weight as stored here
   for (int64_t v = 0; v < 4; ++v)
     for (int64_t c = 0; c < words; c += 16) {
       __m512 r[16];
       for (int i = 0; i < 16; ++i) {
         const int64_t n = n0 + 16 * v + i;
-        r[i] = _mm512_castsi512_ps(n < N ? WeightsA8(stored, bits, K, n, 4 * c) : _mm512_set1_epi8(-128));
+        r[i] = _mm512_castsi512_ps(n < N ? WeightsA8<A>(stored, bits, K, n, Act<A>::kPerWord * c) : zero);
       }
       Transpose16(r, reinterpret_cast<float*>(w + c * kA8Out + 16 * v), kA8Out, static_cast<int>(std::min<int64_t>(16, words - c)));
     }
@@ -653,8 +690,10 @@ inline void PackWeightsA8(const void* stored, int bits, int64_t K, int64_t N, in
 
 // One panel of kA8Rows rows against a tile: out [kA8Rows][64] = the rows' products over all blocks, before the
 // int8 weights' scale. ws: int4's scales per block [blocks][64], or null (int8).
+template <int A>
 inline void PanelA8(const int32_t* a, const float* as, const int32_t* corr, int64_t blocks, const int32_t* w,
                     const float* ws, float* out) {
+  constexpr int64_t kWords = Act<A>::kWords;
   __m512 acc[kA8Rows][4];
   for (int r = 0; r < kA8Rows; ++r)
     for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
@@ -662,19 +701,20 @@ inline void PanelA8(const int32_t* a, const float* as, const int32_t* corr, int6
     __m512i dot[kA8Rows][4];
     for (int r = 0; r < kA8Rows; ++r)
       for (int v = 0; v < 4; ++v) dot[r][v] = _mm512_setzero_si512();
-    const int32_t* ab = a + b * kA8Words * kA8Rows;
-    const int32_t* wb = w + b * kA8Words * kA8Out;
-#pragma GCC unroll 8
-    for (int64_t i = 0; i < kA8Words; ++i) {
+    const int32_t* ab = a + b * kWords * kA8Rows;
+    const int32_t* wb = w + b * kWords * kA8Out;
+#pragma GCC unroll 16
+    for (int64_t i = 0; i < kWords; ++i) {
       __m512i wv[4];
       for (int v = 0; v < 4; ++v) wv[v] = _mm512_loadu_si512(wb + i * kA8Out + 16 * v);
       for (int r = 0; r < kA8Rows; ++r) {
         const __m512i xv = _mm512_set1_epi32(ab[i * kA8Rows + r]);
-        for (int v = 0; v < 4; ++v) dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], wv[v], xv);
+        for (int v = 0; v < 4; ++v)
+          dot[r][v] = A == 8 ? _mm512_dpbusd_epi32(dot[r][v], wv[v], xv) : _mm512_dpwssd_epi32(dot[r][v], wv[v], xv);
       }
     }
     for (int r = 0; r < kA8Rows; ++r) {
-      const __m512i c = _mm512_set1_epi32(corr[r * blocks + b]);
+      const __m512i c = _mm512_set1_epi32(A == 8 ? corr[r * blocks + b] : 0);
       const __m512 s = _mm512_set1_ps(as[r * blocks + b]);
       for (int v = 0; v < 4; ++v) {
         const __m512 sv = ws ? _mm512_mul_ps(s, _mm512_loadu_ps(ws + b * kA8Out + 16 * v)) : s;
@@ -686,29 +726,30 @@ inline void PanelA8(const int32_t* a, const float* as, const int32_t* corr, int6
     for (int v = 0; v < 4; ++v) _mm512_storeu_ps(out + r * kA8Out + 16 * v, acc[r][v]);
 }
 
-// y [M, N] = x [M, K] (int8 in blocks) . the stored int8 (bits 8: s [N]) or int4 (bits 4: s [N, groups], a group a
-// multiple of 32 inputs) weights, on XLA's pool: rows quantized in slabs of at most kSlabBytes, then the outputs
-// in tiles of 64, each tile's weights packed once per slab and run against every panel of its rows.
+// y [M, N] = x [M, K] (int8 or int16 in blocks: A) . the stored int8 (bits 8: s [N]) or int4 (bits 4: s [N, groups],
+// a group a multiple of 32 inputs) weights, on XLA's pool: rows quantized in slabs of at most kSlabBytes, then the
+// outputs in tiles of 64, each tile's weights packed once per slab and run against every panel of its rows.
+template <int A>
 void GemmA8(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N, float* y, const void* stored,
             int bits, const float* s, int64_t groups) {
   const int64_t chunks = JF_POOL_CHUNKS * std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t blocks = (K + kA8Block - 1) / kA8Block, words = blocks * kA8Words;
+  const int64_t blocks = (K + kA8Block - 1) / kA8Block, words = blocks * Act<A>::kWords;
   const int64_t slab = std::max<int64_t>(kA8Rows, kSlabBytes / (words * 4) / kA8Rows * kA8Rows);
   const int64_t group_blocks = bits == 4 ? K / groups / kA8Block : 0;  // blocks per int4 group
   for (int64_t m0 = 0; m0 < M; m0 += slab) {
     const int64_t rows = std::min(slab, M - m0);
-    const RowsA8 a = QuantizeRows(x + m0 * K, rows, K, [&](int64_t n, auto f) { PoolFor(pool, n, f, chunks); });
+    const RowsA8 a = QuantizeRows<A>(x + m0 * K, rows, K, [&](int64_t n, auto f) { PoolFor(pool, n, f, chunks); });
     PoolFor(pool, (N + kA8Out - 1) / kA8Out, [&](int64_t t0, int64_t t1) {
       std::vector<int32_t> w(words * kA8Out);
       std::vector<float> ws(bits == 4 ? blocks * kA8Out : 0);
       alignas(64) float out[kA8Rows * kA8Out];
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t n0 = t * kA8Out, nn = std::min(kA8Out, N - n0);
-        PackWeightsA8(stored, bits, K, N, n0, words, w.data());
+        PackWeightsA8<A>(stored, bits, K, N, n0, words, w.data());
         for (int64_t b = 0; b < static_cast<int64_t>(ws.size()) / kA8Out; ++b)
           for (int64_t j = 0; j < kA8Out; ++j) ws[b * kA8Out + j] = j < nn ? s[(n0 + j) * groups + b / group_blocks] : 0.0f;
         for (int64_t p = 0; p * kA8Rows < rows; ++p) {
-          PanelA8(a.q.data() + p * words * kA8Rows, a.scale.data() + p * kA8Rows * blocks,
+          PanelA8<A>(a.q.data() + p * words * kA8Rows, a.scale.data() + p * kA8Rows * blocks,
                   a.corr.data() + p * kA8Rows * blocks, blocks, w.data(), ws.empty() ? nullptr : ws.data(), out);
           for (int64_t r = 0; r < std::min<int64_t>(kA8Rows, rows - p * kA8Rows); ++r)
             for (int64_t v = 0; 16 * v < nn; ++v) {
@@ -804,34 +845,39 @@ ffi::Error Int4Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q,
   return ffi::Error::Success();
 }
 
-// int8 activations (GemmA8): built where the compiler targets AVX-512 VNNI, else an error (`JfQmatmulHasVnni`
-// tells jaxformer.qkernel not to call them).
+// Integer activations (GemmA8, act_bits 8 or 16): built where the compiler targets AVX-512 VNNI, else an error
+// (`JfQmatmulHasVnni` tells jaxformer.qkernel not to call them).
 ffi::Error RunA8(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N, float* y, const void* q,
-                 int bits, const float* s, int64_t groups) {
+                 int bits, const float* s, int64_t groups, int32_t act_bits) {
+  if (act_bits != 8 && act_bits != 16)
+    return ffi::Error::InvalidArgument("qmatmul: integer activations are 8 or 16 bits (act_bits)");
 #ifdef JF_VNNI
-  GemmA8(pool, x, M, K, N, y, q, bits, s, groups);
+  if (act_bits == 8)
+    GemmA8<8>(pool, x, M, K, N, y, q, bits, s, groups);
+  else
+    GemmA8<16>(pool, x, M, K, N, y, q, bits, s, groups);
   return ffi::Error::Success();
 #else
-  return ffi::Error(ffi::ErrorCode::kUnimplemented, "qmatmul: int8 activations need an AVX-512 VNNI build");
+  return ffi::Error(ffi::ErrorCode::kUnimplemented, "qmatmul: integer activations need an AVX-512 VNNI build");
 #endif
 }
 
 ffi::Error Int8A8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> s,
-                      ffi::ResultBuffer<ffi::F32> y, ffi::ThreadPool pool) {
+                      ffi::ResultBuffer<ffi::F32> y, ffi::ThreadPool pool, int32_t act_bits) {
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = q.dimensions()[0];
   if (q.dimensions()[1] != K || s.element_count() != N)
-    return ffi::Error::InvalidArgument("qmatmul int8 (int8 activations): shapes do not match x [M, K], q [N, K], s [N]");
-  return RunA8(pool, x.typed_data(), M, K, N, y->typed_data(), q.typed_data(), 8, s.typed_data(), 1);
+    return ffi::Error::InvalidArgument("qmatmul int8 (integer activations): shapes do not match x [M, K], q [N, K], s [N]");
+  return RunA8(pool, x.typed_data(), M, K, N, y->typed_data(), q.typed_data(), 8, s.typed_data(), 1, act_bits);
 }
 
 ffi::Error Int4A8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> q, ffi::Buffer<ffi::F32> s,
-                      ffi::ResultBuffer<ffi::F32> y, ffi::ThreadPool pool) {
+                      ffi::ResultBuffer<ffi::F32> y, ffi::ThreadPool pool, int32_t act_bits) {
   const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = q.dimensions()[0];
   const int64_t groups = s.dimensions().size() == 2 ? s.dimensions()[1] : 0;
   if (K % 2 || q.dimensions()[1] != K / 2 || s.dimensions()[0] != N || groups < 1 || K % groups || (K / groups) % 32)
     return ffi::Error::InvalidArgument(
-        "qmatmul int4 (int8 activations): shapes do not match x [M, K], q [N, K/2], s [N, K/g] with g a multiple of 32");
-  return RunA8(pool, x.typed_data(), M, K, N, y->typed_data(), q.typed_data(), 4, s.typed_data(), groups);
+        "qmatmul int4 (integer activations): shapes do not match x [M, K], q [N, K/2], s [N, K/g] with g a multiple of 32");
+  return RunA8(pool, x.typed_data(), M, K, N, y->typed_data(), q.typed_data(), 4, s.typed_data(), groups, act_bits);
 }
 
 ffi::Error F32Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
@@ -876,7 +922,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JfQmatmulInt8A8, Int8A8Impl,
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ctx<ffi::ThreadPool>());
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Attr<int32_t>("act_bits"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JfQmatmulInt4A8, Int4A8Impl,
                               ffi::Ffi::Bind()
@@ -884,7 +931,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JfQmatmulInt4A8, Int4A8Impl,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ctx<ffi::ThreadPool>());
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Attr<int32_t>("act_bits"));
 
 // 1 where the int8-activation products (JfQmatmulInt8A8, JfQmatmulInt4A8) run: AVX-512 VNNI builds.
 extern "C" int JfQmatmulHasVnni() {
