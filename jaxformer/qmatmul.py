@@ -182,7 +182,7 @@ def a8_unavailable(x, q, scale):
 # "Quantized weights, part 8"): 4 rows 0.65x / 0.43x, 8 rows 0.70x / 0.56x, 16 rows 0.59x / 0.73x, 24 rows 0.65x /
 # 0.87x (int8; int4 alike): below 16 rows the integer product's per-call packing of the weights costs more than it
 # saves.
-ACT_MIN_ROWS = {"int8": 16, "int16": 16}
+ACT_MIN_ROWS = {"int8": 16, "int16": 20}
 
 
 def matmul(x, q, scale, activations="float"):

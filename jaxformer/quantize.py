@@ -1,6 +1,7 @@
 """Quantize a run's weights to int8 or int4 (weight-only) into a new workdir that eval/generate read as any other.
 
-    python -m jaxformer.quantize --workdir W --out Q --bits 8|4 [--group-size 128] [--step N] [--activations int8|int16]
+    python -m jaxformer.quantize --workdir W --out Q --bits 8|4 [--group-size 128] [--step N] \
+        [--activations int16|int8|float]
 
 Every dense projection's kernel (attention q/k/v/out, FFN, cross-attention) and every MoE
 expert weight is stored as `jaxformer.qmatmul` describes: int8 with a float32 scale per output
@@ -10,6 +11,9 @@ The token embeddings and an untied output layer become int8 with a scale per voc
 the run's config and tokenizer, a params-only checkpoint and `quantization.json` (the scheme and
 the quantized paths); `eval.py`, `python -m jaxformer.generate` and `jaxformer.evaluate.load_run`
 read it through the same model code (the Dense layers multiply by the quantized kernel).
+`--activations` (default int16) is how that product treats its inputs on a CPU with AVX-512 VNNI when a call has
+many rows (prefill, eval): quantized per 32 inputs to int16 for an integer product (`qmatmul.matmul`); decode steps
+of few sequences and other devices keep them float.
 Written here rather than with qwix/AQT: neither is a dependency, and weight-only PTQ is ~40 lines.
 """
 
@@ -99,11 +103,14 @@ def tree_bytes(tree):
   return sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
 
 
-def quantize_run(workdir, out, bits, group_size=128, step=None, embedding="int8", log=print, activations="float"):
+def quantize_run(workdir, out, bits, group_size=128, step=None, embedding="int8", log=print, activations=None):
   """Writes the quantized copy of `workdir`'s checkpoint `step` (default: latest) to `out`; returns the manifest.
 
   activations: the new workdir's `model.quant_activations` ("int8" / "int16": its prefill and eval products on
-  integer activations, `qmatmul.matmul`)."""
+  integer activations, `qmatmul.matmul`; "float"); None: int16, or float for int4 groups that are not a multiple of
+  32 inputs (the integer product's blocks)."""
+  if activations is None:
+    activations = "float" if bits == 4 and group_size % 32 else "int16"
   if activations != "float" and bits == 4 and group_size % 32:  # (a kernel smaller than a group: logged at run time)
     raise UserError(f"--activations {activations} with int4 takes a --group-size that is a multiple of 32, "
                     f"not {group_size}")
@@ -136,7 +143,7 @@ def quantize_run(workdir, out, bits, group_size=128, step=None, embedding="int8"
   log(f"quantized {len(paths)} weights of {workdir} (step {meta.get('step')}) to int{bits}"
       + (f" (group {group_size})" if bits == 4 else "") + f" -> {out}: those weights "
       f"{kernel_float / 2**20:.1f} -> {kernel_q / 2**20:.1f} MiB ({kernel_q / kernel_float:.3f}x), all params "
-      f"{float_bytes / 2**20:.1f} -> {tree_bytes(qparams) / 2**20:.1f} MiB")
+      f"{float_bytes / 2**20:.1f} -> {tree_bytes(qparams) / 2**20:.1f} MiB; model.quant_activations={activations}")
   return manifest
 
 
@@ -158,10 +165,12 @@ def main(argv=None):
   parser.add_argument("--embedding", default="int8", choices=qmatmul.EMBEDDINGS,
                       help="the token embeddings and an untied output layer: int8 per row (default), int4 in groups "
                            "of --group-size along d_model, or float32")
-  parser.add_argument("--activations", default="float", choices=("float", "int8", "int16"),
-                      help="int8 / int16: the new workdir's prefill and eval products quantize their activations "
-                           "to int8 / int16 (blocks of 32 inputs) for the CPU's VNNI product: faster, not exact "
-                           "(model.quant_activations; default float)")
+  parser.add_argument("--activations", default=None, choices=("float", "int8", "int16"),
+                      help="how the new workdir's prefill and eval products (16-20+ rows) multiply on a CPU with "
+                           "AVX-512 VNNI: int16 / int8 quantize their activations in blocks of 32 inputs for an "
+                           "integer product (int16: the weight-only results to ~1e-5; int8: faster, coarser), float "
+                           "keeps them float32 (model.quant_activations; default int16, float for int4 groups not a "
+                           "multiple of 32; other devices: float)")
   args = parser.parse_args(argv)
   quantize_run(args.workdir, args.out, args.bits, args.group_size, args.step, args.embedding,
                activations=args.activations)
