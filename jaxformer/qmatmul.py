@@ -177,11 +177,12 @@ def a8_unavailable(x, q, scale):
   return None
 
 
-# Rows from which activations="int8" quantizes them (see `matmul`): prefill and eval, and decode steps of as many
-# sequences. GPT-2 124M prefill, int8 activations against the weight-only kernel (x float32's time, BENCHMARKS.md
-# "Quantized weights, part 8"): 4 rows 0.65x / 0.43x, 8 rows 0.70x / 0.56x, 16 rows 0.59x / 0.73x, 24 rows 0.65x /
-# 0.87x (int8; int4 alike): below 16 rows the integer product's per-call packing of the weights costs more than it
-# saves.
+# Rows from which activations="int8" / "int16" quantizes them (see `matmul`): prefill and eval, and decode steps of
+# as many sequences. GPT-2 124M prefill against the weight-only kernel (x float32's time, `benchmarks/prefill_rows.py`
+# with these set to 4): int8 activations (BENCHMARKS.md "Quantized weights, part 8") 4 rows 0.65x / 0.43x, 8 rows
+# 0.70x / 0.56x, 16 rows 0.59x / 0.73x, 24 rows 0.65x / 0.87x; int16 (part 9, int8 weights) 8 rows 0.81x / 0.62x,
+# 16 rows 0.77-0.85x / 0.73-0.75x, 20 rows 0.81x / 0.91x, 24 rows 0.65-0.74x / 0.78-1.10x (int4 alike): below these
+# the integer product's per-call packing of the weights costs more than it saves.
 ACT_MIN_ROWS = {"int8": 16, "int16": 20}
 
 

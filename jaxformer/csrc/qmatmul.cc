@@ -731,8 +731,9 @@ inline void PanelA8(const int32_t* a, const float* as, const int32_t* corr, int6
 // a group a multiple of 32 inputs) weights, on XLA's pool: rows quantized in slabs of at most kSlabBytes, then the
 // outputs in tiles of 64, each tile's weights packed once per slab and run against every panel of its rows, in
 // chunks of kA8ChunkBytes of packed weights (256 int8 / 128 int16 inputs), so that a chunk stays in L1 while every
-// panel passes under it. (Whole tiles per panel streamed 196-393 KiB of weights from L2 for 6 rows each: GPT-2's
-// [1024, 3072] x [3072, 768] ran at 449 GOP/s with int8 rows, 200 with int16.)
+// panel passes under it. (Whole tiles per panel streamed up to 393 KiB of weights from L2 for 6 rows each: GPT-2's
+// prefill with int16 rows took 0.89x / 0.94x / 0.99x of float32's time at 256 / 512 / 1024 rows, 0.77x / 0.79x /
+// 0.85x in chunks; int8 rows, half the bytes, unchanged: BENCHMARKS.md "Quantized weights, part 9".)
 constexpr int64_t kA8ChunkBytes = 16 << 10;
 template <int A>
 void GemmA8(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, int64_t N, float* y, const void* stored,
