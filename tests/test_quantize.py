@@ -255,6 +255,16 @@ def test_forced_fallback_runs_the_xla_path_and_says_why_once(monkeypatch, caplog
     np.testing.assert_array_equal(out, jax.jit(qmatmul.xla_matmul)(x, q, s))
   lines = [r.getMessage() for r in caplog.records if "XLA path" in r.getMessage()]
   assert lines == ["quantized matmul: XLA path on CPU (JAXFORMER_QKERNEL=off)"]
+  # a workdir's default int16 activations (prefill rows) fall back the same way, and say so once too
+  x = rng.standard_normal((64, 64)).astype(np.float32)
+  q, s = qmatmul.quantize_int8(w)
+  with caplog.at_level(logging.WARNING, logger="jaxformer.qmatmul"):
+    for _ in range(2):
+      f = jax.jit(lambda x, q, s: qmatmul.matmul(x, q, s, activations="int16"))
+      assert "jaxformer_qmatmul" not in f.lower(x, q, s).as_text()
+      np.testing.assert_array_equal(f(x, q, s), jax.jit(qmatmul.xla_matmul)(x, q, s))
+  lines = [r.getMessage() for r in caplog.records if "float activations" in r.getMessage()]
+  assert lines == ["quantized matmul: float activations (JAXFORMER_QKERNEL=off)"]
 
 
 @pytest.mark.parametrize("fallback", [False, True])
