@@ -29,7 +29,7 @@ SOURCE = qbuild.SOURCE
 FLAGS = qbuild.FLAGS
 INSTALLED = qbuild.INSTALLED
 TARGETS = {8: "jaxformer_qmatmul_int8", 4: "jaxformer_qmatmul_int4", 32: "jaxformer_matmul_f32"}
-A8_TARGETS = {8: "jaxformer_qmatmul_int8_a8", 4: "jaxformer_qmatmul_int4_a8"}  # integer activations (AVX-512 VNNI builds)
+A8_TARGETS = {8: "jaxformer_qmatmul_int8_a8", 4: "jaxformer_qmatmul_int4_a8"}  # integer activations (VNNI builds)
 ACT_BITS = {"int8": 8, "int16": 16}  # `model.quant_activations` -> the kernel's act_bits
 PAGED_TARGET = "jaxformer_paged_attention"  # the same library's paged attention (`jaxformer.paged`)
 

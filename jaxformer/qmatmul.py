@@ -194,12 +194,12 @@ def matmul(x, q, scale, activations="float"):
   on TPU where `qpallas.blocks` fits: its Pallas kernel. Why the XLA path runs on CPU at few rows is logged
   once per reason.
 
-  activations="int8" / "int16" (opt-in, `model.quant_activations`): a call of at least ACT_MIN_ROWS rows on CPU
-  quantizes x to int8 / int16 in blocks of 32 inputs (a float32 scale each, max |x| / 127 or / 32767) and
-  multiplies integers (the kernel's AVX-512 VNNI product; `a8_unavailable` says where it runs, and why not is
-  logged once). That changes the result (int8: by about 1% of the largest output on random data; int16: levels 258x
-  finer; a model's NLL: BENCHMARKS.md); calls of fewer rows (most decode steps), other devices and calls it cannot
-  take run the weight-only product above."""
+  activations="int8" / "int16" (`model.quant_activations`; `jaxformer.quantize` writes int16 unless told): a
+  call of at least ACT_MIN_ROWS rows on CPU quantizes x to int8 / int16 in blocks of 32 inputs (a float32 scale
+  each, max |x| / 127 or / 32767) and multiplies integers (the kernel's AVX-512 VNNI product; `a8_unavailable` says
+  where it runs, and why not is logged once). That changes the result (int8: by about 1% of the largest output on
+  random data; int16: levels 258x finer; a model's NLL: BENCHMARKS.md); calls of fewer rows (most decode steps),
+  other devices and calls it cannot take run the weight-only product above."""
   rows = x.shape[0]
   default = xla_matmul
   if bits_of(q) == 4 and qpallas.blocks(rows, q.shape, scale.shape):  # on TPU, the Pallas int4 kernel

@@ -472,9 +472,11 @@ def test_commands_on_a_quantized_workdir(converted, tmp_path, capsys):
 @pytest.mark.parametrize("name,bits,act", [("gpt2", 8, "int8"), ("llama", 4, "int8"), ("gpt2", 4, "int16"),
                                             ("llama", 8, "int16")])
 def test_a_workdir_quantized_with_integer_activations(converted, tmp_path, monkeypatch, name, bits, act):
-  """`quantize --activations int8` (or by default int16): the new workdir's config says so, and its logits over 32 rows (every dense
-  product and the output layer take integer activations) equal the same model with each product computed by
-  `_a8_reference`, and differ from float activations' (an eval override); a float workdir and training refuse it."""
+  """`quantize --activations int8` (or by default int16): the new workdir's config says so, and its logits over
+  32 rows (every dense product and the output layer take integer activations) equal the same model with each product
+  computed by `_a8_reference`, and differ from float activations' (an eval override; int16 by under 1e-3 of the
+  largest logit); a float workdir and training refuse it, and so does quantize for int4 groups not a multiple of
+  32."""
   if not qkernel.vnni():
     pytest.skip(qkernel.unavailable() or "the kernel was built without AVX-512 VNNI")
   from jaxformer import config as config_lib, train  # pylint: disable=g-import-not-at-top

@@ -648,7 +648,8 @@ inline __m512i WeightsA8(const void* stored, int bits, int64_t K, int64_t n, int
     }
     const int64_t left = std::max<int64_t>(0, half - j);
     const __mmask16 mask = left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, static_cast<const uint8_t*>(stored) + n * half + j));
+    const uint8_t* row = static_cast<const uint8_t*>(stored) + n * half;
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, row + j));
     // each 32-bit lane: its byte's low nibble in the low 16 bits (input 2j), the high one in the high 16 (2j + 1);
     // a nibble u holds the signed value (u ^ 8) - 8
     const __m512i u = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(0x0F)),
