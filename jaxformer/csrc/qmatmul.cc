@@ -111,6 +111,74 @@ void Int8Rows(const float* x, const int8_t* q, const float* s, float* y, int64_t
   for (; n < n1; ++n) Int8Tile<R, 1>(x, q, s, y, m0, K, N, n);
 }
 
+#if defined(__AVX512F__)
+#define JF_DECODE16 1
+// Decode steps of several sequences (kDecode16Rows <= M < the blocked product's rows), AVX-512: NB outputs' weights
+// converted once per 16 inputs and multiplied against R rows (R x NB 16-lane accumulators, in one flat array: as a
+// [R][NB] array GCC stored all of them to the stack at every step, seen in objdump; K's tail in scalars). The rows
+// go in groups of up to 8 over each pair of outputs, whose weights stay in L1 between groups. GPT-2's 48 products
+// at 8 rows measured 0.44x of float32's dots against the 8-lane loop's 0.50x (a throwaway in-process A/B);
+// the decode step: BENCHMARKS.md "Quantized weights, part 9".
+constexpr int64_t kDecode16Rows = 5;
+template <int R, int NB>
+void Int8Tile16(const float* x, const int8_t* q, const float* s, float* y, int64_t m0, int64_t K, int64_t N,
+                int64_t n) {
+  __m512 a[R * NB];
+#pragma GCC unroll 16
+  for (int i = 0; i < R * NB; ++i) a[i] = _mm512_setzero_ps();
+  const int64_t K16 = K / 16 * 16;
+  for (int64_t k = 0; k < K16; k += 16) {
+    if (m0 == 0 && (k & 63) == 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(q + (n + kAhead * NB) * K + k), _MM_HINT_T0);
+      if (NB > 1) _mm_prefetch(reinterpret_cast<const char*>(q + (n + kAhead * NB + 1) * K + k), _MM_HINT_T0);
+    }
+    __m512 w[NB];
+#pragma GCC unroll 4
+    for (int b = 0; b < NB; ++b) w[b] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(q + (n + b) * K + k))));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_loadu_ps(x + (m0 + r) * K + k);
+#pragma GCC unroll 4
+      for (int b = 0; b < NB; ++b) a[r * NB + b] = _mm512_fmadd_ps(w[b], xv, a[r * NB + b]);
+    }
+  }
+  alignas(64) float t[R * NB][16];
+#pragma GCC unroll 16
+  for (int i = 0; i < R * NB; ++i) _mm512_store_ps(t[i], a[i]);
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) {
+      const float* v = t[r * NB + b];
+      float sum = Sum8(_mm256_add_ps(_mm256_load_ps(v), _mm256_load_ps(v + 8)));
+      for (int64_t j = K16; j < K; ++j) sum += static_cast<float>(q[(n + b) * K + j]) * x[(m0 + r) * K + j];  // K's tail
+      y[(m0 + r) * N + n + b] = sum * s[n + b];
+    }
+}
+
+// Outputs [n0, n1) of all M rows: tiles of NB outputs, each over every group of up to 8 rows.
+inline void Int8Rows16(const float* x, const int8_t* q, const float* s, float* y, int64_t M, int64_t K, int64_t N,
+                       int64_t n0, int64_t n1) {
+  constexpr int NB = 2;
+  for (int64_t n = n0; n < n1; n += NB) {
+    const bool full = n + NB <= n1;
+    for (int64_t m = 0; m < M; m += 8) {
+#define JF_ROWS16(R) full ? Int8Tile16<R, NB>(x, q, s, y, m, K, N, n) : Int8Tile16<R, 1>(x, q, s, y, m, K, N, n)
+      switch (std::min<int64_t>(8, M - m)) {
+        case 8: JF_ROWS16(8); break;
+        case 7: JF_ROWS16(7); break;
+        case 6: JF_ROWS16(6); break;
+        case 5: JF_ROWS16(5); break;
+        case 4: JF_ROWS16(4); break;
+        case 3: JF_ROWS16(3); break;
+        case 2: JF_ROWS16(2); break;
+        default: JF_ROWS16(1); break;
+      }
+#undef JF_ROWS16
+    }
+  }
+}
+#endif
+
 // int4: xe/xo [M, K/2] are the even and odd columns of x (the low and high nibbles' partners). Within a
 // group the integer weights meet x unscaled, in two accumulators (low and high nibbles: independent FMA
 // chains); the group's sum is then scaled once into the total (sum_g s_g * (w_g . x_g), the same
@@ -810,6 +878,12 @@ ffi::Error Int8Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
     GemmOnPool(pool, xp, M, K, N, yp, qp, K, K, [&](int64_t n, int mr, int64_t k0, int64_t k1, float* buf, int64_t ws) {
       for (int i = 0; i < mr; ++i) ConvertInt8(qp + (n + i) * K + k0, sp[n + i], k1 - k0, buf + i * ws);
     });
+    return ffi::Error::Success();
+  }
+#endif
+#ifdef JF_DECODE16
+  if (M >= kDecode16Rows) {
+    ParallelFor(N, N * K, [&](int64_t n0, int64_t n1) { Int8Rows16(xp, qp, sp, yp, M, K, N, n0, n1); });
     return ffi::Error::Success();
   }
 #endif
