@@ -116,9 +116,9 @@ void Int8Rows(const float* x, const int8_t* q, const float* s, float* y, int64_t
 // Decode steps of several sequences (kDecode16Rows <= M < the blocked product's rows), AVX-512: NB outputs' weights
 // converted once per 16 inputs and multiplied against R rows (R x NB 16-lane accumulators, in one flat array: as a
 // [R][NB] array GCC stored all of them to the stack at every step, seen in objdump; K's tail in scalars). The rows
-// go in groups of up to 8 over each pair of outputs, whose weights stay in L1 between groups. GPT-2's 48 products
-// at 8 rows measured 0.44x of float32's dots against the 8-lane loop's 0.50x (a throwaway in-process A/B);
-// the decode step: BENCHMARKS.md "Quantized weights, part 9".
+// go in groups of up to 8 over each pair of outputs, whose weights stay in L1 between groups. GPT-2's batch-8
+// decode step: 0.53-0.55x of float32's, 0.64-0.66x on the 8-lane loop (BENCHMARKS.md "Quantized weights, part 9").
+// Unlike that loop, a row's sum here depends on whether the call has 5+ rows (lanes of 16, not 8).
 constexpr int64_t kDecode16Rows = 5;
 template <int R, int NB>
 void Int8Tile16(const float* x, const int8_t* q, const float* s, float* y, int64_t m0, int64_t K, int64_t N,
