@@ -21,6 +21,7 @@
 #include <cstring>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -36,6 +37,18 @@ namespace ffi = xla::ffi;
 namespace {
 
 using jaxformer::ParallelFor;
+
+// f(std::integral_constant<int, c>{}) with c = min(n, Max), at least 1: a count known at run time as a template
+// argument (the tile shapes below are templates so their accumulators stay in registers).
+template <int Max, typename F>
+inline void WithCount(int64_t n, F f) {
+  if constexpr (Max <= 1) {
+    f(std::integral_constant<int, 1>{});
+  } else {
+    if (n >= Max) return f(std::integral_constant<int, Max>{});
+    WithCount<Max - 1>(n, f);
+  }
+}
 
 constexpr int64_t kRowBlock = 4;  // activation rows per pass over a weight row (accumulators in registers)
 // Software prefetch of the rows this many tiles ahead: without it GPT-2's int8 LM head (38 MB) read
@@ -161,20 +174,10 @@ inline void Int8Rows16(const float* x, const int8_t* q, const float* s, float* y
   constexpr int NB = 2;
   for (int64_t n = n0; n < n1; n += NB) {
     const bool full = n + NB <= n1;
-    for (int64_t m = 0; m < M; m += 8) {
-#define JF_ROWS16(R) full ? Int8Tile16<R, NB>(x, q, s, y, m, K, N, n) : Int8Tile16<R, 1>(x, q, s, y, m, K, N, n)
-      switch (std::min<int64_t>(8, M - m)) {
-        case 8: JF_ROWS16(8); break;
-        case 7: JF_ROWS16(7); break;
-        case 6: JF_ROWS16(6); break;
-        case 5: JF_ROWS16(5); break;
-        case 4: JF_ROWS16(4); break;
-        case 3: JF_ROWS16(3); break;
-        case 2: JF_ROWS16(2); break;
-        default: JF_ROWS16(1); break;
-      }
-#undef JF_ROWS16
-    }
+    for (int64_t m = 0; m < M; m += 8)
+      WithCount<8>(M - m, [&](auto R) {
+        full ? Int8Tile16<R, NB>(x, q, s, y, m, K, N, n) : Int8Tile16<R, 1>(x, q, s, y, m, K, N, n);
+      });
   }
 }
 #endif
@@ -563,22 +566,9 @@ void GemmOutputs(const float* packed, int64_t M, int64_t K, int64_t split, int64
         const float* rows = packed + k0 * kPanel;
         float* p = part.empty() ? nullptr : part.data() + ((n - n0) / kTileOut) * block * kTileOut;  // one chunk: unused
         const int64_t m1 = std::min(M, mb + block);
-#define JF_PANELS(MR) GemmPanels<MR>(w, ws, rows, K, k1 - k0, p, first, last, y, mb, m1, M, N, n, ahead)
-        switch (mr) {
-          case 12: JF_PANELS(12); break;
-          case 11: JF_PANELS(11); break;
-          case 10: JF_PANELS(10); break;
-          case 9: JF_PANELS(9); break;
-          case 8: JF_PANELS(8); break;
-          case 7: JF_PANELS(7); break;
-          case 6: JF_PANELS(6); break;
-          case 5: JF_PANELS(5); break;
-          case 4: JF_PANELS(4); break;
-          case 3: JF_PANELS(3); break;
-          case 2: JF_PANELS(2); break;
-          default: JF_PANELS(1); break;
-        }
-#undef JF_PANELS
+        WithCount<kTileOut>(mr, [&](auto MR) {
+          GemmPanels<MR>(w, ws, rows, K, k1 - k0, p, first, last, y, mb, m1, M, N, n, ahead);
+        });
       }
     }
 }
@@ -631,8 +621,8 @@ inline void ConvertInt4(const uint8_t* q, const float* s, int64_t gh, int64_t j0
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Integer activations (`model.quant_activations=int8|int16`, opt-in; AVX-512 VNNI): a call's rows quantized in
-// blocks of 32 inputs, a float32 scale each (llama.cpp's Q8_0 blocks; int16 the same with 32767 levels a side), and
+// Integer activations (`model.quant_activations=int8|int16`, int16 what jaxformer.quantize writes unless told;
+// AVX-512 VNNI): a call's rows quantized in blocks of 32 inputs, a float32 scale each (llama.cpp's Q8_0 blocks; int16 the same with 32767 levels a side), and
 // multiplied with the int8 (or unpacked int4) weights by an integer dot instruction. int8 rows: vpdpbusd, 64
 // multiply-adds an instruction where a float32 FMA does 16 (on this Zen 4 both issue one a cycle: 4x float32's
 // rate, `benchmarks/fma_peak.py`); it multiplies unsigned by signed bytes, so the weights go in as w + 128 (u8)
