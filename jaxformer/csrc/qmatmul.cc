@@ -622,8 +622,9 @@ inline void ConvertInt4(const uint8_t* q, const float* s, int64_t gh, int64_t j0
 
 // ---------------------------------------------------------------------------------------------------
 // Integer activations (`model.quant_activations=int8|int16`, int16 what jaxformer.quantize writes unless told;
-// AVX-512 VNNI): a call's rows quantized in blocks of 32 inputs, a float32 scale each (llama.cpp's Q8_0 blocks; int16 the same with 32767 levels a side), and
-// multiplied with the int8 (or unpacked int4) weights by an integer dot instruction. int8 rows: vpdpbusd, 64
+// AVX-512 VNNI): a call's rows quantized in blocks of 32 inputs, a float32 scale each (llama.cpp's Q8_0 blocks;
+// int16 the same with 32767 levels a side), and multiplied with the int8 (or unpacked int4) weights by an integer
+// dot instruction. int8 rows: vpdpbusd, 64
 // multiply-adds an instruction where a float32 FMA does 16 (on this Zen 4 both issue one a cycle: 4x float32's
 // rate, `benchmarks/fma_peak.py`); it multiplies unsigned by signed bytes, so the weights go in as w + 128 (u8)
 // and each block's sum loses 128 * (the block's sum of its int8 inputs), exactly, in int32. int16 rows: vpdpwssd,
