@@ -113,7 +113,8 @@ def compile_decode_step(cfg, devices, batch, context, bits=None, group_size=128,
   """(compiled decode step, seconds to lower, seconds to compile) on the first of `devices` (one chip:
   nothing sharded).
 
-  The step is `decode._lm_step`, as `decode.generate` and the serving engine run it: tokens
+  The step is `decode._lm_step`, as `decode.generate` runs it (the serving engine's `_step` makes the same
+  model call, then projects the positions it samples): tokens
   [batch, 1] (with their segment and position [batch, 1]) through a KV cache of `context` slots per
   sequence (`decode.init_cache`: cached keys/values [batch, kv_heads, context, head_dim] per layer,
   donated) -> next-token logits [batch, 1, vocab] and the cache. The params are
@@ -159,8 +160,9 @@ def lower_engine_decode(cfg, device=None, slots=16, context=2048, block_size=16,
   kv = engine.pool_shapes(model, kv_blocks + 1, block_size)
   i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-  args = [params, kv, *[i32(slots, 1)] * 4, *[i32(slots, width * block_size)] * 3, i32(slots, 1),
-          f32(slots), i32(slots), f32(slots), i32(slots), i32(slots), jax.ShapeDtypeStruct((), jnp.bool_)]
+  flag = jax.ShapeDtypeStruct((), jnp.bool_)
+  args = [params, kv, *[i32(slots, 1)] * 4, *[i32(slots, width * block_size)] * 3, i32(slots, 1), i32(slots, 1),
+          f32(slots), i32(slots), f32(slots), i32(slots), i32(slots), flag, flag]
   extra = dict(pages=i32(slots, width), lengths=i32(slots))
   step = jax.jit(functools.partial(engine._step, model), donate_argnums=(1,))  # pylint: disable=protected-access
   t = time.perf_counter()

@@ -168,7 +168,7 @@ def load_template(spec, tokenizer_path, hf_tokenizer):
     folder = os.path.dirname(os.path.abspath(tokenizer_path)) if tokenizer_path != "byte" else ""
     path = os.path.join(folder, "tokenizer_config.json")
     if not folder or not os.path.isfile(path):
-      raise UserError(f"no chat template: {path if folder else 'the byte tokenizer'} has no tokenizer_config.json; "
+      raise UserError(f"no chat template: {folder if folder else 'the byte tokenizer'} has no tokenizer_config.json; "
                       f"set data.chat_template to one of {', '.join(BUILTIN_TEMPLATES)} or to a tokenizer_config.json")
   if not os.path.isfile(path):
     raise UserError(f"data.chat_template={spec}: not a built-in template ({', '.join(BUILTIN_TEMPLATES)}) "

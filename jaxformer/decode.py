@@ -328,11 +328,10 @@ def sample_rows(logits, keys, temperature, top_k, top_p):
   return jax.lax.cond(jnp.any(temperature > 0), sample, lambda: greedy)
 
 
-def _lm_step(model, params, cache, tokens, segment, position, pick=None):
-  """Feeds tokens [batch, len] through the cache -> next-token logits [batch, 1, vocab] (pick [batch, k]:
-  those positions' logits, [batch, k, vocab]), cache."""
+def _lm_step(model, params, cache, tokens, segment, position):
+  """Feeds tokens [batch, len] through the cache -> next-token logits [batch, 1, vocab], cache."""
   logits, variables = model.apply({"params": params, "cache": cache}, tokens, segment, position,
-                                  decode=True, last_only=pick is None, pick=pick, mutable=["cache"])
+                                  decode=True, last_only=True, mutable=["cache"])
   return logits, variables["cache"]
 
 

@@ -79,7 +79,9 @@ def compilations():
 @dataclasses.dataclass
 class SamplingParams:
   """How one request samples: temperature 0 is greedy; top_k 0 and top_p 1 are off; stop_ids end the
-  request (the id is kept in the output); logprobs: how many alternatives to return per token (0: none)."""
+  request (the id is kept in the output); logprobs: how many alternatives to return per token (0: none);
+  prompt_logprobs: also score every prompt token after the first (with `logprobs` alternatives each), as
+  vLLM's prompt_logprobs and OpenAI's echo do; max_tokens 0 then only scores the prompt."""
   max_tokens: int = 16
   temperature: float = 0.0
   top_p: float = 1.0
@@ -87,6 +89,7 @@ class SamplingParams:
   seed: int = 0
   stop_ids: tuple = ()
   logprobs: int = 0
+  prompt_logprobs: bool = False
 
 
 @dataclasses.dataclass(eq=False)
@@ -98,6 +101,8 @@ class Request:
   on_event: object = None          # called (request) from the engine's thread after each new token / the end
   output: list = dataclasses.field(default_factory=list)
   logprobs: list = dataclasses.field(default_factory=list)   # per token: (logprob, [(id, logprob), ...])
+  prompt_logprobs: list = None     # per prompt token (params.prompt_logprobs): as `logprobs`; None for the first
+  prompt_scored: bool = False      # every prompt token scored (until then the prefix cache is not read)
   finish_reason: str = None        # "stop", "length", "cancelled"
   slot: int = None
   blocks: list = dataclasses.field(default_factory=list)
@@ -230,10 +235,10 @@ class Engine:
     """UserError (one line, naming the limit) when the request can never run here."""
     if not prompt:
       raise UserError("the prompt is empty: give at least one token")
-    if params.max_tokens < 1:
-      raise UserError(f"max_tokens must be at least 1, got {params.max_tokens}")
-    total = len(prompt) + params.max_tokens - 1   # the last token is never fed back
-    if len(prompt) >= self.max_seq_len or total > self.max_seq_len:
+    if params.max_tokens < (0 if params.prompt_logprobs else 1):
+      raise UserError(f"max_tokens must be at least 1 (0 only to score the prompt), got {params.max_tokens}")
+    total = len(prompt) + max(params.max_tokens - 1, 0)   # the last token is never fed back
+    if total > self.max_seq_len:
       raise UserError(f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) is past the "
                       f"context of {self.max_seq_len} tokens (--max-seq-len): shorten the prompt or ask for fewer tokens")
     if self._blocks_for(total) > self.pool.num_blocks:
@@ -252,6 +257,8 @@ class Engine:
       if len(self.waiting) >= self.max_waiting:
         raise QueueFull(f"{len(self.waiting)} requests are waiting (--max-waiting {self.max_waiting})")
       request = Request(next(self._ids), prompt, params, on_event, arrival=time.perf_counter())
+      if params.prompt_logprobs:
+        request.prompt_logprobs = [None] * len(prompt)
       self.waiting.append(request)
       self._wake.notify()
     return request
@@ -297,7 +304,8 @@ class Engine:
         tokens = request.prompt + request.output
         keys = kv_pool.block_hashes(tokens, self.block_size)
         keys = keys[:(len(tokens) - 1) // self.block_size]   # the last token is always run
-        hits = self.pool.lookup(keys)
+        # A prompt to score is computed whole once: cached blocks hold keys and values, not log-probs.
+        hits = [] if request.prompt_logprobs is not None and not request.prompt_scored else self.pool.lookup(keys)
         need = self._blocks_for(len(tokens)) - len(hits)
         spare = self.running() + 1 if self.running() else 0   # alone, a request may take every block
         fresh = self.pool.allocate(need) if self.pool.available() >= need + spare else None
@@ -365,7 +373,7 @@ class Engine:
     None where there is no piece)."""
     rows, bs = len(parts), self.block_size
     slots = width * bs
-    tokens, segment, position, dest = (np.zeros((rows, chunk), np.int32) for _ in range(4))
+    tokens, segment, position, dest, targets = (np.zeros((rows, chunk), np.int32) for _ in range(5))
     src, kv_segment, kv_position = (np.zeros((rows, slots), np.int32) for _ in range(3))
     pick = np.zeros((rows, picks), np.int32)
     sampled = [None] * (rows * picks)
@@ -378,6 +386,9 @@ class Engine:
         kv_segment[b, h:h + r.computed], kv_position[b, h:h + r.computed] = j + 1, past
         h += r.computed
         tokens[b, c:c + n] = (r.prompt + r.output)[r.computed:r.computed + n]
+        if r.prompt_logprobs is not None and not r.prompt_scored:   # each position's next prompt token
+          nxt = r.prompt[r.computed + 1:r.computed + n + 1]
+          targets[b, c:c + len(nxt)] = nxt
         segment[b, c:c + n], position[b, c:c + n] = j + 1, new
         dest[b, c:c + n] = table[new // bs] * bs + new % bs
         pick[b, j] = c + n - 1
@@ -391,14 +402,17 @@ class Engine:
           pages[b, :len(r.blocks[:width])] = r.blocks[:width]
           lengths[b] = r.computed + n
       extra = dict(pages=pages, lengths=lengths)
-    return (tokens, segment, position, dest, src, kv_segment, kv_position, pick), extra, sampled
+    return (tokens, segment, position, dest, src, kv_segment, kv_position, pick, targets), extra, sampled
 
   def _run(self, parts, chunk, width, picks, pallas=False):
-    """One program call (see `_layout`) -> per sampled row (token, logprob, top ids, top logprobs)."""
+    """One program call (see `_layout`) -> (per sampled row (token, logprob, top ids, top logprobs), per
+    row and chunk position (log p(next prompt token), top ids, top logprobs): zeros unless a piece asks)."""
     arrays, extra, sampled = self._layout(parts, chunk, width, picks, pallas)
     want = np.bool_(any(r is not None and r.params.logprobs for r in sampled))
+    scoring = np.bool_(any(r.prompt_logprobs is not None and not r.prompt_scored for row in parts for r, _ in row))
     with sharding.use_mesh(self.mesh) if self.mesh else contextlib.nullcontext():
-      out, self.kv = self._step_fn(self.params, self.kv, *arrays, *self._sampling_rows(sampled), want, **extra)
+      out, self.kv = self._step_fn(self.params, self.kv, *arrays, *self._sampling_rows(sampled), want, scoring,
+                                   **extra)
     return jax.device_get(out)
 
   def _emit(self, request, token, logprob, top_ids, top_logprobs):
@@ -439,18 +453,29 @@ class Engine:
     return chunk, row
 
   def _prefilled(self, row, out, first):
-    """Books a call's prompt pieces (`row`, sampled at out[first:]): blocks completed go to the prefix cache,
-    a finished prompt emits its first token (a resumed request: its next one)."""
+    """Books a call's prompt pieces (`row`, sampled at out[first:], fed from chunk position `first` on):
+    their prompt tokens' log-probs where asked, blocks completed go to the prefix cache, a finished prompt
+    emits its first token (a resumed request: its next one; max_tokens 0: it ends)."""
+    (sampled, (target_logp, prompt_ids, prompt_logp)), c = out, first
     self.stats["prefill_calls"] += 1
     self.stats["prefill_pieces"] += len(row)
     for j, (r, n) in enumerate(row):
+      if r.prompt_logprobs is not None and not r.prompt_scored:
+        k = r.params.logprobs
+        for i in range(min(n, len(r.prompt) - 1 - r.computed)):  # position p scores prompt token p + 1
+          r.prompt_logprobs[r.computed + i + 1] = (float(target_logp[0, c + i]), list(zip(
+              prompt_ids[0, c + i, :k].tolist(), prompt_logp[0, c + i, :k].tolist())))
+      c += n
       r.computed += n
+      r.prompt_scored = r.prompt_scored or r.computed >= len(r.prompt)
       self.stats["prefilled_tokens"] += n
       for i in range(r.cached_tokens // self.block_size, r.computed // self.block_size):
         if i < len(r.keys):
           self.pool.register(r.blocks[i], r.keys[i])
-      if r.computed == r.prefill_to:
-        self._emit(r, *(x[first + j] for x in out))
+      if r.computed == r.prefill_to and r.params.max_tokens == 0:
+        self._finish(r, "length")
+      elif r.computed == r.prefill_to:
+        self._emit(r, *(x[first + j] for x in sampled))
 
   def _prefill(self, chunk, row):
     """The prompt pieces packed side by side in one row of a bucket's length (several short prompts share a
@@ -469,7 +494,7 @@ class Engine:
       return
     pallas = self.pallas_fallback is None    # its block table also holds the new token's block
     width = self._width(max(r.computed for r in rows if r) + pallas, self.history_buckets)
-    out = self._run([[(r, 1)] if r else [] for r in rows], 1, width, 1, pallas)
+    out, _ = self._run([[(r, 1)] if r else [] for r in rows], 1, width, 1, pallas)
     for b, r in enumerate(rows):
       if r is not None:
         r.computed += 1
@@ -485,7 +510,7 @@ class Engine:
     self.stats["mixed_calls"] += 1
     for j, r in enumerate(decoding):
       r.computed += 1
-      self._emit(r, *(x[j] for x in out))
+      self._emit(r, *(x[j] for x in out[0]))
     self._prefilled(row, out, len(decoding))
 
   def step(self):
@@ -605,17 +630,20 @@ def _shard_params(model, params, mesh):
   return jax.device_put(params, shardings)
 
 
-def _step(model, params, kv, tokens, segment, position, dest, src, kv_segment, kv_position, pick,
-          temperature, top_k, top_p, seed, index, want_logprobs, pages=None, lengths=None):
+def _step(model, params, kv, tokens, segment, position, dest, src, kv_segment, kv_position, pick, targets,
+          temperature, top_k, top_p, seed, index, want_logprobs, scoring, pages=None, lengths=None):
   """One engine program: rows of new tokens through the model over their history in the pool -> samples, new pool.
 
   tokens, segment, position, dest [rows, chunk]: the new tokens, their segment ids (0: a pad), positions
   and pool slots to write; src, kv_segment, kv_position [rows, slots]: each history slot's pool slot,
-  segment id (0: empty) and position; pick [rows, k]: the chunk positions whose next token is sampled.
+  segment id (0: empty) and position; pick [rows, k]: the chunk positions whose next token is sampled;
+  targets [rows, chunk]: each position's next prompt token, scored (log-prob and top ids) when `scoring`.
   pages [rows, slots / block_size], lengths [rows]: a decode step's block tables and keys to read, for the
   Pallas TPU kernel (the layers write their new keys and values into the pool themselves then).
   Engine._layout makes them. Sample row i (rows * k of them) uses key fold_in(PRNGKey(seed[i]), index[i])
   (index: the tokens it generated so far), as `decode.generate` folds the step into its key.
+  -> ((token, its logprob, top ids, top logprobs) [rows * k, ...], (log p(target), top ids, top logprobs)
+  [rows, chunk, ...]), the new pool.
   """
   layers_of = lambda x: x.shape[:1] if x.ndim == 3 else ()            # a scanned pool [layers, rows, d]
   cache = {}
@@ -627,7 +655,11 @@ def _step(model, params, kv, tokens, segment, position, dest, src, kv_segment, k
                 history_position=jnp.broadcast_to(kv_position, lead + kv_position.shape))
     if pages is not None:   # never scanned (paged.pallas_why_not)
       node.update(history_pages=pages, history_length=lengths, new_slots=dest)
-  logits, cache = decode._lm_step(model, params, cache, tokens, segment, position, pick)
+  hidden, variables = model.apply({"params": params, "cache": cache}, tokens, segment, position, decode=True,
+                                  project=False, mutable=["cache"])   # [rows, chunk, d_model]
+  cache = variables["cache"]
+  project = functools.partial(model.apply, {"params": params}, method="project_hidden")
+  logits = project(jnp.take_along_axis(hidden, pick[:, :, None], 1))  # only the sampled positions' logits
   logits = logits.reshape((-1,) + logits.shape[2:])                  # [rows * k, vocab]
   nodes = [functools.reduce(lambda n, name: n[name], path, cache) for path in _attention_paths(model)]
   if pages is not None:                  # the layers wrote the new keys and values: their pools are the new ones
@@ -642,7 +674,16 @@ def _step(model, params, kv, tokens, segment, position, dest, src, kv_segment, k
   top_logp, top_ids = jax.lax.cond(  # a top-k over the vocabulary only when some row asks for logprobs
       want_logprobs, lambda: tuple(jax.lax.top_k(logp, k)),
       lambda: (jnp.zeros((logp.shape[0], k), logp.dtype), jnp.zeros((logp.shape[0], k), jnp.int32)))
-  return (token, chosen, top_ids, top_logp), new_kv
+
+  def prompt_scores():  # every chunk position through the vocabulary: only when a prompt is being scored
+    all_logp = jax.nn.log_softmax(project(hidden).astype(jnp.float32), -1)   # [rows, chunk, vocab]
+    top = jax.lax.top_k(all_logp, k)
+    return jnp.take_along_axis(all_logp, targets[..., None], -1)[..., 0], top[1], top[0]
+
+  scored = jax.lax.cond(scoring, prompt_scores, lambda: (
+      jnp.zeros(targets.shape, jnp.float32), jnp.zeros(targets.shape + (k,), jnp.int32),
+      jnp.zeros(targets.shape + (k,), jnp.float32)))
+  return ((token, chosen, top_ids, top_logp), scored), new_kv
 
 
 def _write_new(kv, nodes, dest, logits):

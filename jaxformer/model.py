@@ -214,20 +214,22 @@ class DecoderOnly(nn.Module):
     self.logits_bias = _logits_bias(self, cfg)
 
   def __call__(self, inputs, segment_ids=None, positions=None, deterministic=True, decode=False,
-               last_only=False, project=True, pick=None):
-    """-> logits [batch, length, vocab]; last_only: the last position's only, [batch, 1, vocab]; pick
-    [batch, k]: those positions' only, [batch, k, vocab] (the serving engine's packed rows);
-    project=False: the final hidden states [batch, length, d_model]."""
+               last_only=False, project=True):
+    """-> logits [batch, length, vocab]; last_only: the last position's only, [batch, 1, vocab];
+    project=False: the final hidden states [batch, length, d_model] (`project_hidden` projects them)."""
     # Token 0 may be a real token (e.g. a character) for LMs, so segments default to all ones.
     segment = jnp.ones_like(inputs, jnp.int32) if segment_ids is None else segment_ids
     position = _default_positions(inputs, positions)
     x = self.decoder(self.embed(inputs), segment, position, deterministic=deterministic, decode=decode)
     if last_only:  # sampling needs the next token's logits only; XLA does not push the slice into the matmul
       x = x[:, -1:]
-    if pick is not None:
-      x = jnp.take_along_axis(x, pick[:, :, None], 1)
     if not project:
       return x
+    return self.project_hidden(x)
+
+  def project_hidden(self, x):
+    """Final hidden states x [batch, length, d_model] -> logits [batch, length, vocab] (the serving engine
+    projects the positions it samples and, for prompt log-probs, every position of a prefill chunk)."""
     logits = self.embed.attend(x) if self.cfg.tie_output else self.logits(x).astype(jnp.float32)
     return layers.finish_logits(logits, self.logits_bias, self.cfg)
 

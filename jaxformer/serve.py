@@ -5,7 +5,13 @@
         [--api-key K | $JAXFORMER_API_KEY] [--model-name NAME]
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events when
-`stream` is true), GET /v1/models, GET /health, GET /metrics (Prometheus). The chat endpoint renders
+`stream` is true), GET /v1/models, GET /health, GET /metrics (Prometheus), and vLLM's tokenizer endpoints
+POST /tokenize, POST /detokenize, GET /tokenizer_info (lm-eval's `local-completions` model tokenizes
+through them: `tokenizer_backend=remote`). Completions with `echo` and `logprobs` score the prompt's
+tokens too (OpenAI's and vLLM's legacy API: `null` for the first), and `max_tokens: 0` with `echo` only
+scores, as lm-eval's log-likelihood requests do. Text is decoded incrementally in context
+(`jaxformer.detokenize`): a stream's pieces add up to the whole text, an echo is the decode of prompt
+and completion together. The chat endpoint renders
 `messages` with the run's chat template exactly as `python -m jaxformer.generate --chat` does
 (`chat.prompt_ids`) and stops at the end of the assistant's turn (`chat.end_of_turn_ids`).
 A translation (encoder-decoder) workdir serves POST /v1/translate instead: `{"text": "..." | [...]}` ->
@@ -29,10 +35,12 @@ import time
 
 from jaxformer import chat
 from jaxformer import batcher as batcher_lib
+from jaxformer import detokenize
 from jaxformer import engine as engine_lib
 from jaxformer import evaluate
 from jaxformer import generate
 from jaxformer import runtime
+from jaxformer import tokenizer as tokenizer_lib
 from jaxformer.errors import UserError, cli
 
 MAX_N = 16
@@ -70,11 +78,11 @@ def _field(body, name, kinds, default, check=None, limit=""):
 
 
 def sampling_fields(body, chat_api, max_seq_len):
-  """The sampling fields common to both endpoints, checked -> dict."""
+  """The sampling fields common to both endpoints, checked -> dict (max_tokens 0: the caller checks echo)."""
   number = (int, float)
   out = {
       "max_tokens": _field(body, "max_completion_tokens" if chat_api and "max_completion_tokens" in body
-                           else "max_tokens", (int,), None, lambda v: 1 <= v <= max_seq_len,
+                           else "max_tokens", (int,), None, lambda v: 0 <= v <= max_seq_len,
                            f"between 1 and the context of {max_seq_len} tokens"),
       "temperature": float(_field(body, "temperature", number, 1.0, lambda v: 0 <= v <= 2, "between 0 and 2")),
       "top_p": float(_field(body, "top_p", number, 1.0, lambda v: 0 < v <= 1, "in (0, 1]")),
@@ -134,6 +142,34 @@ class Server:
                                  "XLA programs compiled after the ready line", registry=r)
     prom.ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds (Linux)
 
+  @property
+  def hf(self):
+    """Whether the run's tokenizer is a tokenizer.json (whose special tokens are matched in text)."""
+    return isinstance(self.tokenizer, tokenizer_lib.HFTokenizer)
+
+  def token_text(self, token_id):
+    """The text a special id is written as (`<|endoftext|>`, `<s>`), None without one (a char tokenizer)."""
+    if token_id is None:
+      return None
+    if self.hf:
+      return self.tokenizer.tok.id_to_token(token_id)
+    sp = getattr(self.tokenizer, "sp", None)
+    return sp.id_to_piece(token_id) if sp is not None else None
+
+  def tokenizer_info(self):
+    """GET /tokenizer_info's body, as vLLM's: the tokenizer's class, special-token strings, context and chat
+    template (where the run has one)."""
+    t = self.tokenizer
+    info = {"tokenizer_class": type(t).__name__, "bos_token": self.token_text(t.bos_id),
+            "eos_token": self.token_text(t.eos_id), "pad_token": self.token_text(t.pad_id),
+            "model_max_length": self.engine.max_seq_len if self.engine else self.cfg.model.max_len}
+    if self.cfg.data.chat_template:
+      try:
+        info["chat_template"] = self.template()[0].text
+      except UserError:  # a template that does not load is reported by the chat endpoint
+        pass
+    return info
+
   def template(self):
     """(ChatTemplate, hf) of the run, loaded at the first chat request (a run without one can still serve completions)."""
     if self._template is None:
@@ -166,8 +202,9 @@ class Server:
       raise BadRequest(f"'model' {json.dumps(model)[:60]} is not served here: use {self.model_name!r} "
                        "(GET /v1/models)", "model", code="model_not_found")
 
-  def submit(self, prompt, sampling, stop_ids, logprobs, seed):
-    """One engine request -> (request, asyncio.Queue of snapshots (output, logprobs, finish_reason))."""
+  def submit(self, prompt, sampling, stop_ids, logprobs, seed, prompt_logprobs=False):
+    """One engine request -> (request, asyncio.Queue of snapshots (output, logprobs, finish_reason));
+    prompt_logprobs: the prompt's tokens are scored too (echo)."""
     loop = asyncio.get_running_loop()
     queue = asyncio.Queue()
 
@@ -176,7 +213,7 @@ class Server:
 
     params = engine_lib.SamplingParams(max_tokens=sampling["max_tokens"], temperature=sampling["temperature"],
                                        top_p=sampling["top_p"], top_k=sampling["top_k"], seed=seed,
-                                       stop_ids=tuple(stop_ids), logprobs=logprobs)
+                                       stop_ids=tuple(stop_ids), logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     try:
       request = self.engine.submit(prompt, params, on_event)
     except UserError as e:
@@ -190,21 +227,26 @@ class Server:
 
 
 class Completion:
-  """One choice in flight: turns the engine's tokens into text, applies stop strings, tracks timing."""
+  """One choice in flight: turns the engine's tokens into text (decoded in the prompt's context), applies stop
+  strings, tracks timing."""
 
   def __init__(self, server, request, queue, stops, stop_ids):
     self.server, self.request, self.queue = server, request, queue
     self.stops, self.stop_ids = stops, set(stop_ids)
     self.tokens, self.logprobs, self.text, self.sent = [], [], "", 0
+    self.decoder = detokenize.IncrementalDecoder(server.tokenizer, request.prompt)
     self.finish_reason = None
     self.start = time.perf_counter()
     self.first = None
 
-  def _visible(self, tokens):
-    """The text of the generated tokens, the final stop id left out."""
+  def _visible(self, tokens, finished):
+    """The text of the generated tokens in context, the final stop id left out (held-back text: at the end)."""
     if tokens and tokens[-1] in self.stop_ids:
       tokens = tokens[:-1]
-    return self.server.tokenizer.decode(tokens) if tokens else ""
+    self.decoder.extend(tokens[len(self.decoder.pieces):])
+    if finished:
+      self.decoder.flush()
+    return self.decoder.text
 
   async def next(self):
     """Waits for the next engine event -> the new text that is safe to send ('' when none), or None at the end."""
@@ -216,11 +258,12 @@ class Completion:
       self.first = now
       self.server.m_ttft.observe(now - self.start)
     self.tokens, self.logprobs = tokens, logprobs
-    text = self._visible(tokens)
+    text = self._visible(tokens, finish is not None)
     hit = min((text.find(s) for s in self.stops if s in text), default=-1)
     if hit >= 0:                                   # a stop string: never emitted, the request ends now
       text, finish = text[:hit], "stop"
       self.server.engine.cancel(self.request, "stop")
+      self.decoder.flush()
     if finish is not None:
       self.finish_reason = "stop" if finish == "stop" else "length"
       self._record()
@@ -256,14 +299,35 @@ class Completion:
       self.server.m_requests.labels("cancelled").inc()
 
   def token_logprobs(self, k):
-    """Per shown token: (text, logprob, [(text, logprob) of the top k])."""
-    tok = self.server.tokenizer
+    """Per shown token: (its text in context, logprob, [(text, logprob) of the top k])."""
     out = []
-    for t, (lp, top) in zip(self.tokens, self.logprobs):
+    for t, piece, (lp, top) in zip(self.tokens, self.decoder.pieces, self.logprobs):
       if t in self.stop_ids:
         break
-      out.append((tok.decode([t]), lp, [(tok.decode([i]), v) for i, v in top[:k]]))
+      out.append((piece, lp, _alternatives(self.server.tokenizer, t, piece, top, k)))
     return out
+
+  def prompt_logprobs(self, k):
+    """Per prompt token (echo): (its text in context, logprob or None for the first, top k or None)."""
+    prompt = self.request.prompt
+    decoder = detokenize.IncrementalDecoder(self.server.tokenizer)
+    decoder.extend(prompt)
+    if not self.decoder.pieces:        # nothing follows: the prompt's held-back text is its own
+      decoder.flush()
+    out = []
+    for i, (t, piece) in enumerate(zip(prompt, decoder.pieces)):
+      scored = self.request.prompt_logprobs[i] if self.request.prompt_logprobs else None
+      if scored is None:
+        out.append((piece, None, None))
+      else:
+        out.append((piece, scored[0], _alternatives(self.server.tokenizer, t, piece, scored[1], k)))
+    return out
+
+
+def _alternatives(tokenizer, token, piece, top, k):
+  """[(text, logprob)] of a token's top k alternatives: each decoded alone (as vLLM does), the token itself
+  as its text in context (so it keys the same entry as the `tokens` list)."""
+  return [(piece if i == token else tokenizer.decode([i]), v) for i, v in top[:k]]
 
 
 # ----------------------------------------------------------------------------- the app
@@ -331,7 +395,10 @@ def make_app(server, drain_s=30.0):
         if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                    for m in messages):
           raise BadRequest("'messages' must hold objects with a string 'role' and a string 'content'", "messages")
-        template, hf = server.template()
+        try:
+          template, hf = server.template()
+        except UserError as e:   # a run without a chat template serves completions only
+          raise BadRequest(f"this model has no chat template ({e}): use /v1/completions", "messages") from None
         try:
           prompts = [chat.prompt_ids(template, server.tokenizer, messages, server.cfg.data.add_bos, hf,
                                      where="messages")]
@@ -361,11 +428,15 @@ def make_app(server, drain_s=30.0):
         stop_ids = [server.tokenizer.eos_id] if server.tokenizer.eos_id is not None else []
         if _field(body, "ignore_eos", (bool,), False):   # vLLM's extension, for load tests: always max_tokens
           stop_ids = []
-        logprobs = _field(body, "logprobs", (int,), 0, lambda v: 0 <= v <= 5, "between 0 and 5")
-        k = logprobs
+        k = _field(body, "logprobs", (int,), None, lambda v: 0 <= v <= 5, "between 0 and 5")
+        want_logprobs = k is not None
+        logprobs = max(k, 1) if want_logprobs else 0   # the engine's alternatives per token
         echo = _field(body, "echo", (bool,), False)
         if echo and sampling["stream"]:
           raise BadRequest("'echo' is not supported with 'stream'", "echo")
+      if sampling["max_tokens"] == 0 and (chat_api or not echo):
+        raise BadRequest(f"'max_tokens' must be between 1 and the context of {max_seq_len} tokens (0 only with "
+                         "'echo', to score the prompt)", "max_tokens")
       if sampling["max_tokens"] is None:   # as vLLM: up to the context, here capped by decode.max_new_tokens
         sampling["max_tokens"] = max(1, min(server.cfg.decode.max_new_tokens,
                                             max_seq_len - max(len(p) for p in prompts)))
@@ -375,7 +446,8 @@ def make_app(server, drain_s=30.0):
       try:
         for p in prompts:
           for i in range(sampling["n"]):
-            engine_request, queue = server.submit(p, sampling, stop_ids, logprobs, seed + i)
+            engine_request, queue = server.submit(p, sampling, stop_ids, logprobs, seed + i,
+                                                  prompt_logprobs=echo and (want_logprobs or not sampling["max_tokens"]))
             choices.append(Completion(server, engine_request, queue, sampling["stop"], stop_ids))
       except BadRequest:
         for c in choices:
@@ -400,14 +472,18 @@ def make_app(server, drain_s=30.0):
                            "top_logprobs": [{"token": a, "logprob": v, "bytes": list(a.encode())} for a, v in top]}
                           for t, lp, top in c.token_logprobs(k)]}
 
-    def completion_logprobs(c, offset=0):
-      rows = c.token_logprobs(k)
-      offsets, at = [], offset
+    def completion_logprobs(c):
+      rows = (c.prompt_logprobs(k) if echo else []) + c.token_logprobs(k)
+      offsets, at = [], 0
       for t, _, _ in rows:
         offsets.append(at)
         at += len(t)
       return {"tokens": [t for t, _, _ in rows], "token_logprobs": [lp for _, lp, _ in rows],
-              "top_logprobs": [dict(top) for _, _, top in rows], "text_offset": offsets}
+              "top_logprobs": [None if top is None else dict(top) for _, _, top in rows], "text_offset": offsets}
+
+    def echoed(c):
+      """The prompt's text as decoded before the completion's (the decode of both together)."""
+      return "".join(t for t, _, _ in c.prompt_logprobs(0))
 
     if not sampling["stream"]:
       waits = [asyncio.ensure_future(c.drain()) for c in choices]
@@ -426,9 +502,8 @@ def make_app(server, drain_s=30.0):
           out.append({"index": index, "message": {"role": "assistant", "content": c.text},
                       "logprobs": chat_logprobs(c) if logprobs else None, "finish_reason": c.finish_reason})
         else:
-          prefix = server.tokenizer.decode(prompts[index // sampling["n"]]) if echo else ""
-          out.append({"index": index, "text": prefix + c.text,
-                      "logprobs": completion_logprobs(c, len(prefix)) if logprobs else None,
+          out.append({"index": index, "text": (echoed(c) if echo else "") + c.text,
+                      "logprobs": completion_logprobs(c) if want_logprobs else None,
                       "finish_reason": c.finish_reason})
       return JSONResponse({"id": rid, "object": "chat.completion" if chat_api else "text_completion",
                            "created": created, "model": server.model_name, "choices": out, "usage": usage()})
@@ -516,6 +591,42 @@ def make_app(server, drain_s=30.0):
     server.m_prompt.inc(tokens)
     return {"object": "translation", "model": server.model_name, "translations": job.translations,
             "usage": {"source_tokens": tokens}}
+
+  # vLLM's tokenizer endpoints, at the root as vLLM serves them (lm-eval's RemoteTokenizer reads them there).
+  @app.post("/tokenize")
+  async def tokenize(request: Request):
+    try:
+      body = await read_body(request, translation=False)
+      text = body.get("prompt")
+      if not isinstance(text, str):
+        raise BadRequest("'prompt' must be a string", "prompt")
+      special = _field(body, "add_special_tokens", (bool,), True)
+    except BadRequest as e:
+      return fail(e)
+    ids = (generate.encode_prompt(server.tokenizer, server.cfg, text) if special
+           else chat.encode_pieces(server.tokenizer, [(text, False)], server.hf)[0].tolist())
+    return {"count": len(ids), "max_model_len": server.engine.max_seq_len, "tokens": ids, "token_strs": None}
+
+  @app.post("/detokenize")
+  async def detokenize_ids(request: Request):
+    try:
+      body = await read_body(request, translation=False)
+      ids = body.get("tokens")
+      vocab = server.engine.model.cfg.vocab_size
+      if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                              for t in ids):
+        raise BadRequest(f"'tokens' must be an array of token ids in [0, {vocab})", "tokens")
+    except BadRequest as e:
+      return fail(e)
+    return {"prompt": server.tokenizer.decode(ids)}
+
+  @app.get("/tokenizer_info")
+  async def tokenizer_info(request: Request):
+    try:
+      check_key(request)
+    except BadRequest as e:
+      return fail(e)
+    return server.tokenizer_info()
 
   @app.get("/v1/models")
   async def models(request: Request):

@@ -179,6 +179,17 @@ def window_by_window_nll(model, params, ids, block):
   return total
 
 
+def forward_logp(model, params, ids):
+  """log p(ids[i] | ids[:i]) for i >= 1 [len - 1] and the log-softmax rows [len - 1, vocab], from one unpadded
+  forward without a cache, in float64 numpy (the reference for prompt log-probs)."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  ids = np.asarray(ids)
+  logits = np.asarray(jax.jit(model.apply)({"params": params}, jnp.asarray(ids[None])), np.float64)[0, :-1]
+  logp = logits - logits.max(-1, keepdims=True)
+  logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+  return logp[np.arange(len(ids) - 1), ids[1:]], logp
+
+
 # Modules whose module-scoped fixture (a run, a chain of processes) is worth building once: under
 # `-n 2` each of them runs on one xdist worker; every other test is scheduled alone, as in
 # xdist's default "load". (xdist's own `--dist loadgroup` marks are ignored with pytest 9.2:

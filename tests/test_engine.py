@@ -265,7 +265,7 @@ def test_float_weights_served_output_major_through_the_kernel(name, path, monkey
     np.testing.assert_array_equal(served[prefix + "/qscale"], np.ones(expected.shape[0], np.float32))
   for rows, chunk in ((eng.max_batch, 1), (1, eng.max_batch + eng.buckets[-1])):  # decode and mixed programs
     layout = eng._layout([[]] * rows, chunk, eng.history_buckets[0], 1)[0]
-    text = eng._step_fn.lower(eng.params, eng.kv, *layout, *eng._sampling_rows([None] * rows), True).as_text()
+    text = eng._step_fn.lower(eng.params, eng.kv, *layout, *eng._sampling_rows([None] * rows), True, False).as_text()
     assert ("jaxformer_matmul_f32" in text) == (path == "kernel")
   prompts = _prompts(model.cfg.vocab_size, (5, 17, 30, 9, 23, 12, 40, 3), seed=5)
   new = [12, 7, 20, 15, 9, 11, 6, 14]
@@ -350,3 +350,61 @@ def test_sharded_serving_gives_the_tokens_of_one_device(tmp_path):
     assert got["pool_shard"] == [got["pool"][0] // 2, got["pool"][1]], got
   assert out["fsdp1_tensor2"]["query_shard"] == [32, 2, 8]
   assert out["fsdp2_tensor2"]["query_shard"] == [16, 2, 8]
+
+
+def _check_prompt_logprobs(model, params, request, prompt, k):
+  """A request's prompt log-probs against one forward over its prompt: values to 1e-4, top-k ids in order."""
+  from conftest import forward_logp  # pylint: disable=g-import-not-at-top  (not at the top: SHARDED_WORKER imports us)
+  assert request.prompt_logprobs[0] is None and all(x is not None for x in request.prompt_logprobs[1:])
+  want, rows = forward_logp(model, params, prompt)
+  np.testing.assert_allclose([lp for lp, _ in request.prompt_logprobs[1:]], want, atol=1e-4)
+  for (_, top), row in zip(request.prompt_logprobs[1:], rows):
+    ids, values = zip(*top)
+    assert list(ids) == np.argsort(-row)[:k].tolist()
+    np.testing.assert_allclose(values, row[list(ids)], atol=1e-4)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_prompt_logprobs_equal_one_forward_over_the_prompt(name):
+  """Prompt log-probs (echo's): every prompt token after the first scored as a forward over the whole prompt
+  scores it, with its top-k alternatives, for prompts split over several chunks, packed with others, sharing a
+  cached prefix with an earlier request (recomputed, not read: the cache holds no log-probs), with max_tokens 0
+  (only scored: no token, finish 'length'), a prompt as long as the context with max_tokens 1, and requests
+  preempted by a small pool after their prompt was scored; no program compiled after warm-up; the generated
+  tokens stay generate's."""
+  model, params = _setup(*MODELS[name])
+  make = lambda: engine_lib.Engine(model, params, max_batch=4, kv_blocks=14, block_size=8, max_seq_len=64,
+                                   prefill_chunk=16)   # test_preemption_when_the_pool_runs_short's programs
+  eng = make()
+  eng.warm_up()
+  compiled = engine_lib.compilations()
+  prompts = _prompts(model.cfg.vocab_size, (37, 5, 23, 64, 2, 30), seed=7)
+  prompts[5] = prompts[0][:24] + prompts[5][:6]                  # 3 full blocks shared with prompt 0
+  new = [0, 6, 3, 1, 0, 9]
+  warm = eng.submit(prompts[0], engine_lib.SamplingParams(max_tokens=2))   # puts prompt 0's blocks in the cache
+  eng.run_until_done()
+  before = eng.stats["cached_tokens"]
+  requests = [eng.submit(p, engine_lib.SamplingParams(max_tokens=n, logprobs=3, prompt_logprobs=True))
+              for p, n in zip(prompts, new)]
+  eng.run_until_done()
+  assert engine_lib.compilations() == compiled
+  assert eng.stats["cached_tokens"] == before      # the scored prompts read nothing from the cache
+  for r, p, n in zip(requests, prompts, new):
+    assert r.finish_reason == "length" and len(r.output) == n
+    _check_prompt_logprobs(model, params, r, p, 3)
+  expected = _reference(model, params, [prompts[k] for k in (1, 2, 5)], 9)
+  assert [requests[k].output for k in (1, 2, 5)] == [row[:new[k]] for row, k in zip(expected, (1, 2, 5))]
+  assert warm.prompt_logprobs is None
+  # Long generations in a 14-block pool (as test_preemption_when_the_pool_runs_short): preempted and resumed.
+  eng = make()
+  prompts = _prompts(model.cfg.vocab_size, [12, 20, 9, 17], seed=4)
+  new = [36, 30, 40, 28]
+  requests = [eng.submit(p, engine_lib.SamplingParams(max_tokens=n, logprobs=2, prompt_logprobs=True))
+              for p, n in zip(prompts, new)]
+  eng.run_until_done()
+  assert eng.stats["preemptions"] > 0 and eng.pool.used() == 0
+  for r, p in zip(requests, prompts):
+    _check_prompt_logprobs(model, params, r, p, 2)
+  assert [r.output for r in requests] == [row[:n] for row, n in zip(_reference(model, params, prompts, 40), new)]
+  with pytest.raises(UserError, match="max_tokens must be at least 1"):   # 0 only with prompt log-probs
+    eng.submit([5], engine_lib.SamplingParams(max_tokens=0))

@@ -116,7 +116,7 @@ def test_engine_serves_a_sliding_window_model(path, monkeypatch):
   model, params = _setup(*WINDOWED)
   eng = engine_lib.Engine(model, params, max_batch=3, block_size=4, max_seq_len=48, prefill_chunk=8)
   layout = eng._layout([[]] * 3, 1, eng.history_buckets[0], 1)[0]
-  text = eng._step_fn.lower(eng.params, eng.kv, *layout, *eng._sampling_rows([None] * 3), True).as_text()
+  text = eng._step_fn.lower(eng.params, eng.kv, *layout, *eng._sampling_rows([None] * 3), True, False).as_text()
   assert ("jaxformer_paged_attention" in text) == (path == "kernel")
   lengths, new = (3, 14, 25, 7, 19, 30), [10, 8, 12, 6, 9, 11]
   prompts = _prompts(model.cfg.vocab_size, lengths, seed=4)

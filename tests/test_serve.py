@@ -20,6 +20,7 @@ import pytest
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+from conftest import forward_logp  # pylint: disable=g-import-not-at-top
 from jaxformer import chat  # pylint: disable=g-import-not-at-top
 from jaxformer import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
 from jaxformer import config as config_lib  # pylint: disable=g-import-not-at-top
@@ -183,14 +184,118 @@ def test_stop_n_seed_logprobs_echo(server, local):
                                  echo=True)
   choice = lp.choices[0]
   assert choice.text == "First" + full[:8]
-  assert "".join(choice.logprobs.tokens) == full[:8]
-  for token, value, top in zip(choice.logprobs.tokens, choice.logprobs.token_logprobs, choice.logprobs.top_logprobs):
+  assert "".join(choice.logprobs.tokens) == "First" + full[:8]   # the prompt's tokens, then the generated ones
+  generated = [x[-8:] for x in (choice.logprobs.tokens, choice.logprobs.token_logprobs, choice.logprobs.top_logprobs)]
+  for token, value, top in zip(*generated):
     assert len(top) == 3 and value <= 0 and max(top, key=top.get) == token and top[token] == pytest.approx(value)
   chat_lp = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "Speak"}],
                                            max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
   content = chat_lp.choices[0].logprobs.content
   assert "".join(t.token for t in content) == chat_lp.choices[0].message.content
   assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].token == t.token for t in content)
+
+
+def test_echo_with_logprobs_scores_the_prompt(server, local):
+  """echo + logprobs (OpenAI's and vLLM's legacy completions, lm-eval's API scoring): one entry per prompt token
+  (log-prob null for the first) then the generated ones; the prompt's log-probs equal one forward over it (1e-4),
+  top_logprobs hold the k most likely, text_offset indexes the echoed text; max_tokens 0 only scores; a prompt
+  whose blocks are in the prefix cache scores the same; token ids as the prompt (lm-eval sends them)."""
+  url, client = server
+  cfg, model, params, tokenizer = local
+  model_id = client.models.list().data[0].id
+  prompt = TEXT[:50]
+  ids = generate.encode_prompt(tokenizer, cfg, prompt)
+  want, rows = forward_logp(model, params, ids)
+  score = lambda p, n=0, k=2: client.completions.create(model=model_id, prompt=p, max_tokens=n, temperature=0,
+                                                        logprobs=k, echo=True).choices[0]
+  scored = score(prompt)
+  lp = scored.logprobs
+  assert scored.text == prompt and scored.finish_reason == "length" and "".join(lp.tokens) == prompt
+  assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+  np.testing.assert_allclose(lp.token_logprobs[1:], want, atol=1e-4)
+  assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(ids))]
+  for top, row in zip(lp.top_logprobs[1:], rows):
+    assert sorted(top.values(), reverse=True) == pytest.approx(np.sort(row)[::-1][:2], abs=1e-4)
+  again = score(prompt)                                   # its blocks are cached now: still scored whole
+  assert again.logprobs.token_logprobs == lp.token_logprobs
+  as_ids = score([ids], n=1, k=1)
+  assert as_ids.logprobs.token_logprobs[:len(ids)] == pytest.approx(lp.token_logprobs, abs=1e-6)
+  greedy = client.completions.create(model=model_id, prompt=prompt, max_tokens=5, temperature=0).choices[0].text
+  longer = score(prompt, n=5)
+  assert longer.text == prompt + greedy and longer.logprobs.token_logprobs[:len(ids)] == pytest.approx(
+      lp.token_logprobs, abs=1e-6)
+  assert "".join(longer.logprobs.tokens) == longer.text and len(longer.logprobs.tokens) == len(ids) + 5
+  plain = client.completions.create(model=model_id, prompt=prompt, max_tokens=0, echo=True).choices[0]
+  assert plain.text == prompt and plain.logprobs is None
+  usage = client.completions.create(model=model_id, prompt=prompt, max_tokens=0, echo=True, logprobs=0).usage
+  assert usage.completion_tokens == 0 and usage.prompt_tokens == len(ids)
+  r = httpx.post(url + "/completions", json={"model": model_id, "prompt": "a", "max_tokens": 0, "logprobs": 1})
+  assert r.status_code == 400 and "0 only with 'echo'" in r.json()["error"]["message"]
+
+
+def test_tokenizer_endpoints_as_vllm(server, local):
+  """POST /tokenize, POST /detokenize and GET /tokenizer_info (vLLM's, which lm-eval's remote tokenizer reads):
+  the run's own ids and text; bad ids are a 400 naming the field."""
+  url, _ = server
+  cfg, _, _, tokenizer = local
+  root = url[:-3]
+  out = httpx.post(root + "/tokenize", json={"prompt": "Speak, speak.", "add_special_tokens": False}).json()
+  assert out["tokens"] == tokenizer.encode("Speak, speak.") and out["count"] == len(out["tokens"])
+  assert out["max_model_len"] == 256
+  assert httpx.post(root + "/tokenize", json={"prompt": "Speak"}).json()["tokens"] == generate.encode_prompt(
+      tokenizer, cfg, "Speak")
+  assert httpx.post(root + "/detokenize", json={"tokens": out["tokens"]}).json() == {"prompt": "Speak, speak."}
+  r = httpx.post(root + "/detokenize", json={"tokens": [10 ** 6]})
+  assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+  info = httpx.get(root + "/tokenizer_info").json()
+  assert info["tokenizer_class"] == "CharTokenizer" and info["model_max_length"] == 256
+
+
+@pytest.fixture(scope="module")
+def word_workdir(tmp_path_factory):
+  """A decoder-only workdir whose tokenizer.json is word-level (w0 .. w99 and a few non-ASCII words, split on
+  whitespace, no decoder: decode joins words with spaces), gpt2_tiny with random params."""
+  tokenizers = pytest.importorskip("tokenizers")
+  path = tmp_path_factory.mktemp("word_run")
+  words = ["<pad>", "<s>", "</s>"] + [f"w{i}" for i in range(100)] + ["Männer", "漢字", "éüß", "\U0001F600"]
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<pad>"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+  tok.add_special_tokens(["<pad>", "<s>", "</s>"])
+  tok.save(str(path / "tokenizer.json"))
+  cfg = config_lib.load_config("gpt2_tiny", [f"model.vocab_size={len(words)}", "model.max_len=128", "data.tokenizer=hf",
+                                             "model.pad_id=0", "model.bos_id=1", "model.eos_id=2"])
+  model = model_lib.build_model(cfg.model)
+  shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
+  rng = np.random.default_rng(1)
+  params = jax.tree.map(lambda s: np.asarray(rng.normal(0.0, 0.3, s.shape), s.dtype), nn.unbox(shapes))
+  checkpoint_lib.save_params(str(path), params, step=1)
+  (path / "config.json").write_text(config_lib.to_json(cfg))
+  return str(path)
+
+
+def test_text_is_decoded_in_context_streamed_or_echoed(word_workdir):
+  """A word-level tokenizer's completion keeps the separator after the prompt (decoded alone it would read
+  "w80w63"): the echoed text is the decode of prompt + completion, the completion text is that past the prompt,
+  the streamed deltas add up to the non-streamed text, and the logprob tokens to the text (non-ASCII words too)."""
+  proc, url = _start(word_workdir, "--max-batch", "2", "--max-seq-len", "128")
+  try:
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    name = client.models.list().data[0].id
+    tok = tokenizer_lib.HFTokenizer(pathlib.Path(word_workdir) / "tokenizer.json")
+    for prompt in ("w78 w72 w19 w80", "Männer w3 漢字", "\U0001F600 éüß w5"):
+      ask = lambda **kw: client.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0, **kw)
+      echoed = ask(echo=True, logprobs=1).choices[0]
+      ids = tok.encode(echoed.text)
+      assert echoed.text == tok.decode(ids) and echoed.text.startswith(prompt + " ")
+      assert "".join(echoed.logprobs.tokens) == echoed.text
+      text = ask().choices[0].text
+      assert prompt + text == echoed.text and text.startswith(" ")
+      assert "".join(c.choices[0].text for c in ask(stream=True)) == text
+    # This run has no chat template: the chat endpoint says so (it was a 500 with a traceback in the log).
+    with pytest.raises(openai.BadRequestError, match="has no chat template.*use /v1/completions"):
+      client.chat.completions.create(model=name, messages=[{"role": "user", "content": "w1"}], max_tokens=2)
+  finally:
+    _stop(proc)
 
 
 def test_prefix_cache_hit_equals_miss(server, local):
@@ -381,3 +486,47 @@ def test_a_converted_workdir_serves_the_tokens_generate_gives_it(converted, name
   expected = [generate.generate_text(model, params, tokenizer, cfg, [p], max_new_tokens=8, temperature=0.0,
                                      top_k=0, top_p=1.0)[0] for p in prompts]
   assert _served_greedy(workdir, prompts, 8, "--max-batch", "3", "--max-seq-len", "64") == expected
+
+
+LM_EVAL_TASKS = pathlib.Path(__file__).resolve().parent / "fixtures" / "lm_eval"
+
+
+def test_lm_eval_local_completions_against_the_server_equals_its_hf_model(converted):
+  """lm-evaluation-harness's own API client, `local-completions` (echo + logprobs 1 + max_tokens 1 per request,
+  sliced at the context's length; prompts tokenized through /tokenize: tokenizer_backend=remote), against a
+  server on the GPT-2 fixture imported with convert, equals the harness's `hf` model on the same weights
+  (tests/fixtures/lm_eval/expected_gpt2_api.json, made with transformers by make_lm_eval_expected.py): the same
+  prompts, every log-likelihood within 1e-4 with the same is-greedy flag, acc and acc_norm. An API client keeps
+  one position for the token it asks for, so an input longer than the model's 64 positions is cut one token
+  sooner than `hf` cuts it: those (4 of 80 requests, one question) are checked to be cut, not compared."""
+  lm_eval = pytest.importorskip("lm_eval")
+  pytest.importorskip("tenacity")                       # lm-eval's [api] extra
+  from lm_eval.tasks import TaskManager  # pylint: disable=g-import-not-at-top
+  workdir, _, _, _, tokenizer = converted("gpt2")
+  expected = json.loads((LM_EVAL_TASKS / "expected_gpt2_api.json").read_text())
+  proc, url = _start(workdir, "--max-batch", "4", "--max-seq-len", "64")
+  try:
+    out = lm_eval.simple_evaluate(
+        model="local-completions", model_args=f"model={os.path.basename(workdir)},base_url={url}/completions,"
+        "tokenizer_backend=remote,num_concurrent=2,max_retries=1,batch_size=4,max_length=65",
+        tasks=list(expected["tasks"]), task_manager=TaskManager(include_path=str(LM_EVAL_TASKS)),
+        num_fewshot=0, log_samples=True, bootstrap_iters=0)
+  finally:
+    _stop(proc)
+  cut = 0
+  for task, want in expected["tasks"].items():
+    ours = {s["doc_id"]: s for s in json.loads(json.dumps(out["samples"][task], default=str))}
+    whole = True
+    for sample in want["samples"]:
+      got = ours[sample["doc_id"]]
+      assert got["arguments"] == sample["arguments"], (task, sample["doc_id"])
+      for (context, continuation), (mine,), (theirs,) in zip(got["arguments"], got["resps"], sample["resps"],
+                                                             strict=True):
+        if len(tokenizer.encode(context + continuation)) > 64:
+          cut, whole = cut + 1, False
+          continue
+        assert abs(mine[0] - theirs[0]) < 1e-4 and mine[1] == theirs[1], (task, sample["doc_id"], mine, theirs)
+    for metric, value in want["metrics"].items():
+      if whole and metric.startswith("acc") and "stderr" not in metric:
+        assert out["results"][task][metric] == pytest.approx(value, abs=1e-12), (task, metric)
+  assert cut == 4
