@@ -19,7 +19,8 @@ records (`model.pad_id`, `bos_id`, `eos_id`) and `Tokenizer.use_model_ids` check
 * Llama-1/2 sentencepiece models load as `SentencePieceTokenizer` (unk 0, bos 1,
   eos 2, no pad).
 * `HFTokenizer`: a Hugging Face `tokenizer.json` (GPT-2's and Llama 3's byte-level
-  BPE) through the `tokenizers` package.
+  BPE) through the `tokenizers` package, plus the special tokens that a tokenizer_config.json /
+  special_tokens_map.json beside it names, added as transformers adds them.
 * `MarianTokenizer`: OPUS-MT's source.spm / target.spm / vocab.json, packed into
   one JSON file; pieces from the source model (targets: the target model), ids
   from the vocabulary, as transformers' MarianTokenizer does.
@@ -202,11 +203,150 @@ class ByteTokenizer(Tokenizer):
         "utf-8", errors="replace")
 
 
+# The files beside a tokenizer.json that convert and train.init_from copy with it: special tokens that
+# `HFTokenizer` adds (tokenizer_config.json, special_tokens_map.json), the chat template (jaxformer.chat).
+HF_TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+# transformers' PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES (5.x), in its order.
+HF_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_ADDED_TOKEN_FLAGS = ("single_word", "lstrip", "rstrip", "normalized", "special")
+
+
+def _read_json_object(path):
+  """The JSON object in `path`, or None when there is no such file."""
+  if not os.path.isfile(path):
+    return None
+  try:
+    with open(path, encoding="utf-8") as f:
+      value = json.load(f)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise UserError(f"{path} is not valid JSON: {e}") from e
+  if not isinstance(value, dict):
+    raise UserError(f"{path} holds a JSON {type(value).__name__}, not an object: fix or remove it")
+  return value
+
+
+def _added_token(value, special=None):
+  """tokenizers.AddedToken(content, **the flags the dict names) as transformers' `AddedToken(**dict)` (flags it
+  leaves out keep tokenizers' defaults, e.g. normalized = not special); `special` overrides the dict's."""
+  from tokenizers import AddedToken
+  flags = {k: bool(value[k]) for k in _ADDED_TOKEN_FLAGS if k in value}
+  if special is not None:
+    flags["special"] = special
+  return AddedToken(value["content"], **flags)
+
+
+def _is_token_dict(value, typed):
+  """A saved AddedToken: a dict with a content string (typed: with transformers' "__type": "AddedToken")."""
+  return (isinstance(value, dict) and isinstance(value.get("content"), str) and
+          (not typed or value.get("__type") == "AddedToken"))
+
+
+def _loose_token(value):
+  """A named / extra special token: transformers refuses a dict without "__type" there; read it as a token."""
+  return _added_token(value, special=bool(value.get("special", True))) if _is_token_dict(value, False) else value
+
+
+def hf_config_special_tokens(folder, added=()):
+  """The tokens that `AutoTokenizer.from_pretrained(folder)` (transformers 5: PreTrainedTokenizerBase's
+  _from_pretrained and __init__, TokenizersBackend.__init__) adds to tokenizer.json's from `folder`'s
+  tokenizer_config.json and special_tokens_map.json, as the `add_tokens` call it makes.
+
+  added: the contents of tokenizer.json's added tokens (a named token among them is not added again).
+  Returns (tokens, source, split): the tokenizers.AddedTokens in transformers' order; {content: the file
+  that names it}; tokenizer_config.json's split_special_tokens (special tokens encoded as plain text).
+  Added are: the config's added_tokens_decoder, the named special tokens (bos_token ... mask_token, then
+  other `*_token` keys, e.g. image_token), then extra_special_tokens (= additional_special_tokens);
+  special_tokens_map.json counts only where the config has no added_tokens_decoder, and overrides it.
+  """
+  from tokenizers import AddedToken
+  config_path = os.path.join(folder, "tokenizer_config.json")
+  map_path = os.path.join(folder, "special_tokens_map.json")
+  kwargs = _read_json_object(config_path) or {}
+  source = {}
+
+  def note(values, path):
+    for value in values:
+      if isinstance(value, (list, dict)) and not _is_token_dict(value, False):  # a token list, added_tokens_decoder
+        note(value.values() if isinstance(value, dict) else value, path)
+      else:
+        text = value.get("content") if isinstance(value, dict) else value
+        if isinstance(text, str):
+          source.setdefault(text, path)
+
+  note(kwargs.values(), config_path)
+  split = bool(kwargs.get("split_special_tokens"))
+  if "additional_special_tokens" in kwargs and not kwargs.get("extra_special_tokens"):
+    kwargs["extra_special_tokens"] = kwargs.pop("additional_special_tokens")
+  explicit = {k: kwargs.pop(k) for k in list(kwargs)
+              if k not in HF_SPECIAL_TOKEN_KEYS and k.endswith("_token") and isinstance(kwargs[k], str)}
+  if isinstance(kwargs.get("extra_special_tokens"), dict):
+    explicit.update(kwargs.pop("extra_special_tokens"))
+  decoder = {}
+  if "added_tokens_decoder" in kwargs:
+    entries = kwargs["added_tokens_decoder"]
+    if not isinstance(entries, dict):
+      raise UserError(f"{config_path}: added_tokens_decoder is not an object {{id: token dict}}")
+    for index, value in entries.items():
+      if not _is_token_dict(value, False) or not str(index).isdigit():
+        raise UserError(f"{config_path}: added_tokens_decoder[{index!r}] is not a token dict with a content string")
+      decoder[int(index)] = _added_token(value)
+  else:  # the legacy file, read only then
+    smap = _read_json_object(map_path) or {}
+    note(smap.values(), map_path)
+    for key, value in smap.items():
+      if _is_token_dict(value, False) and key != "extra_special_tokens":
+        value = _added_token(value, special=True)
+      elif key == "extra_special_tokens" and isinstance(value, list):
+        existing = list(kwargs.get("extra_special_tokens") or [])
+        value = existing + [t for t in (_added_token(t, special=True) if _is_token_dict(t, False) else t
+                                        for t in value) if t not in existing]
+      kwargs[key] = value
+    if isinstance(kwargs.get("extra_special_tokens"), dict):
+      explicit.update(kwargs.pop("extra_special_tokens"))
+  saved = lambda v: _added_token(v) if _is_token_dict(v, True) else v  # transformers' convert_added_tokens
+  kwargs = {k: [saved(t) for t in v] if isinstance(v, list) else saved(v) for k, v in kwargs.items()}
+  if "additional_special_tokens" in kwargs and "extra_special_tokens" not in kwargs:
+    kwargs["extra_special_tokens"] = kwargs.pop("additional_special_tokens")
+  named = {}
+  for key in HF_SPECIAL_TOKEN_KEYS:
+    value = _loose_token(kwargs.get(key))
+    if value is not None and not isinstance(value, (str, AddedToken)):
+      raise UserError(f"{config_path}: {key} is {value!r}, not a token string or dict")
+    if value is not None:
+      named[key] = value
+  auto = {k: v for k, v in kwargs.items()
+          if k not in HF_SPECIAL_TOKEN_KEYS and k.endswith("_token") and isinstance(v, AddedToken)}
+  named.update({**auto, **{k: v for k, v in explicit.items() if isinstance(v, (str, AddedToken))}})
+  extra = kwargs.get("extra_special_tokens")
+  extra = [t for t in map(_loose_token, extra) if isinstance(t, (str, AddedToken))] if isinstance(extra, list) else []
+  # transformers re-adds every added_tokens_decoder entry (its "already there" check compares their reprs
+  # with the backend's ids: never equal), then each named / extra token whose string is not added yet.
+  to_add = [t for _, t in sorted(decoder.items())]
+  have = set(added) | {str(t) for t in to_add}
+  for value in list(named.values()) + extra:
+    if str(value) not in have and value not in to_add:  # `in`: equal strings, the same AddedToken
+      to_add.append(value)
+  named_text = {str(t) for t in named.values()}
+  tokens = []
+  for token in to_add:
+    if isinstance(token, str):
+      token = AddedToken(token, special=True)
+    elif not token.special and token.content in named_text:
+      token.special = True
+    tokens.append(token)
+  return tokens, source, split
+
+
 class HFTokenizer(Tokenizer):
   """A Hugging Face `tokenizer.json` (e.g. GPT-2's and Llama 3's byte-level BPE), run by `tokenizers`.
 
   encode = `encode(text, add_special_tokens=False).ids`, decode = `decode(ids)`, as
   transformers' fast tokenizers do. The file names no special ids: `use_model_ids` sets them.
+  Special tokens that only a tokenizer_config.json / special_tokens_map.json beside the file names
+  (bos_token, eos_token, ..., additional_special_tokens, added_tokens_decoder) are added as
+  transformers adds them (`hf_config_special_tokens`): matched in text before pre-tokenization, with
+  the vocabulary's id, or, for a string the vocabulary lacks, a new id after the last
+  (`new_tokens`: {content: the file naming it}).
   """
 
   pad_id = bos_id = eos_id = None
@@ -218,6 +358,17 @@ class HFTokenizer(Tokenizer):
       self.tok = _Tokenizer.from_file(self.path)
     except Exception as e:  # the Rust side raises a plain Exception on a bad file
       raise UserError(f"{self.path} is not a Hugging Face tokenizer.json: {str(e).splitlines()[0]}") from e
+    folder = os.path.dirname(os.path.abspath(self.path))
+    added = [t.content for t in self.tok.get_added_tokens_decoder().values()]
+    tokens, source, split = hf_config_special_tokens(folder, added)
+    self.new_tokens = {t.content: source.get(t.content, os.path.join(folder, "tokenizer_config.json"))
+                       for t in tokens if self.tok.token_to_id(t.content) is None}
+    before = {i: repr(t) for i, t in self.tok.get_added_tokens_decoder().items()}
+    if tokens:
+      self.tok.add_tokens(tokens)
+    # {id: AddedToken} the file alone lacks or flags otherwise: `convert --to-hf` writes them into tokenizer.json.
+    self.config_tokens = {i: t for i, t in self.tok.get_added_tokens_decoder().items() if repr(t) != before.get(i)}
+    self.tok.encode_special_tokens = split
     self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
 
   def encode(self, text):

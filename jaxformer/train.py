@@ -41,6 +41,7 @@ from jaxformer import optim
 from jaxformer import runtime
 from jaxformer import sharding
 from jaxformer import tasks
+from jaxformer import tokenizer as tokenizer_lib
 from jaxformer.errors import UserError, cli
 
 def make_train_step(model, task, cfg, tx, schedule):
@@ -663,7 +664,7 @@ def copy_init_tokenizer(cfg, workdir, log=print):
   mine, theirs = tasks.tokenizer_path(cfg, workdir), tasks.tokenizer_path(source_cfg, source)
   if mine == "byte" or os.path.exists(mine) or not os.path.isfile(theirs):
     return
-  for name in ("tokenizer_config.json", "chat_template.jinja"):  # a converted model's chat template (SFT, DPO)
+  for name in tokenizer_lib.HF_TOKENIZER_SIDE_FILES:  # a converted model's special tokens and chat template
     config = os.path.join(os.path.dirname(theirs), name)
     if os.path.isfile(config):
       os.makedirs(os.path.dirname(os.path.abspath(mine)), exist_ok=True)

@@ -148,6 +148,49 @@ def test_tokenizers_encode_and_decode_as_transformers(converted, name):
     assert [tok.encode(t) + [tok.eos_id] for t in meta["targets"]] != meta["target_ids"]
 
 
+CONFIG_SPECIALS = FIXTURES.parent / "hf_config_specials"  # tests/fixtures/make_config_specials.py
+
+
+def _config_specials_cfg(vocab_size):
+  """A config for CONFIG_SPECIALS' tokenizer (<s> 380, </s> 381, <pad> 385) and `vocab_size` embedding rows."""
+  return config_lib.replace(config_lib.load_config("gpt2_tiny"), **{
+      "data.tokenizer": "hf", "model.vocab_size": vocab_size, "model.bos_id": 380, "model.eos_id": 381,
+      "model.pad_id": 385})
+
+
+def test_special_tokens_named_only_in_tokenizer_config_encode_as_transformers(tmp_path):
+  """bos/eos/mask/additional_special_tokens named only in tokenizer_config.json (pad only in
+  special_tokens_map.json), not in tokenizer.json's added_tokens: transformers matches them in text as
+  added special tokens, and so do we, from the HF folder, from the workdir convert copies it to, and
+  from the tokenizer.json that --to-hf writes (which holds them: it alone gives the same ids)."""
+  import tokenizers
+  from jaxformer import tokenizer as tokenizer_lib
+  from jaxformer.convert import hf_in, hf_out
+  want = json.loads((CONFIG_SPECIALS / "expected.json").read_text(encoding="utf-8"))
+  cfg = _config_specials_cfg(want["len"])
+  workdir, out = tmp_path / "w", tmp_path / "hf"
+  workdir.mkdir()
+  out.mkdir()
+  dest = hf_in.import_tokenizer(str(CONFIG_SPECIALS), cfg, "gpt2", str(workdir), **QUIET)
+  hf_out.export_tokenizer(cfg, "gpt2", str(workdir), str(out))
+  exported = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))
+  for case in want["cases"]:
+    assert exported.encode(case["text"], add_special_tokens=False).ids == case["ids"], case["text"]
+  for path in (CONFIG_SPECIALS / "tokenizer.json", dest, out / "tokenizer.json"):
+    tok = tokenizer_lib.load_tokenizer(path)
+    added = {str(i): t.__getstate__() for i, t in sorted(tok.tok.get_added_tokens_decoder().items())}
+    assert (tok.vocab_size, added) == (want["len"], want["added_tokens"]), path  # the same ids and flags
+    for case in want["cases"]:
+      assert tok.encode(case["text"]) == case["ids"], case["text"]
+      assert tok.decode(case["ids"]) == case["decoded"], case["text"]
+      assert tok.tok.decode(case["ids"], skip_special_tokens=True) == case["decoded_skip_special"], case["text"]
+    assert tok.encode_batch([c["text"] for c in want["cases"]]) == [c["ids"] for c in want["cases"]]
+  # <pad> is not in the vocabulary: transformers gives it a new id (385), which needs an embedding row.
+  with pytest.raises(UserError, match=r"has 386 ids but config\.json's vocab_size is 385 \(.*'<pad>' from "
+                                      r"\S*special_tokens_map\.json"):
+    hf_in.import_tokenizer(str(CONFIG_SPECIALS), _config_specials_cfg(385), "gpt2", str(tmp_path), **QUIET)
+
+
 # ----------------------------------------------------------------------------- export
 
 

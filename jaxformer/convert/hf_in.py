@@ -147,14 +147,19 @@ def import_tokenizer(hf_dir, cfg, kind, workdir, source=None, log=print):
   else:
     shutil.copyfile(found, dest)
   template_dir = os.path.dirname(found) if os.path.isfile(found) else found
-  for name in ("tokenizer_config.json", "chat_template.jinja"):  # the chat template, for SFT/DPO (jaxformer.chat)
+  # tokenizer_config.json / special_tokens_map.json: special tokens the tokenizer loads beside tokenizer.json
+  # (tokenizer.HFTokenizer); tokenizer_config.json / chat_template.jinja: the chat template (jaxformer.chat).
+  for name in tokenizer_lib.HF_TOKENIZER_SIDE_FILES:
     if os.path.isfile(os.path.join(template_dir, name)):
       shutil.copyfile(os.path.join(template_dir, name), os.path.join(os.path.dirname(os.path.abspath(dest)), name))
   tok = tokenizer_lib.load_tokenizer(dest)
   tok.use_model_ids(cfg.model.pad_id, cfg.model.bos_id, cfg.model.eos_id, os.path.join(hf_dir, "config.json"))
   if tok.vocab_size > cfg.model.vocab_size:
+    new = getattr(tok, "new_tokens", None)  # special tokens the vocabulary lacks: new ids, as in transformers
+    why = (f" ({', '.join(f'{t!r} from {f}' for t, f in new.items())}: not in the vocabulary, so given new ids "
+           "as transformers does; the model needs their embedding rows, or drop them from that file)") if new else ""
     raise UserError(f"the tokenizer in {source or hf_dir} has {tok.vocab_size} ids but config.json's vocab_size is "
-                    f"{cfg.model.vocab_size}")
+                    f"{cfg.model.vocab_size}{why}")
   return dest
 
 

@@ -99,10 +99,15 @@ def export_tokenizer(cfg, kind, workdir, out, chat_template=None):
     tok.save_hf(out)
     config = {"tokenizer_class": "MarianTokenizer", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}
   elif isinstance(tok, tokenizer_lib.HFTokenizer):
-    shutil.copyfile(path, os.path.join(out, "tokenizer.json"))
+    if tok.config_tokens:  # special tokens that only the source's tokenizer_config.json named: into the file
+      tok.tok.save(os.path.join(out, "tokenizer.json"))
+    else:
+      shutil.copyfile(path, os.path.join(out, "tokenizer.json"))
     token = tok.tok.id_to_token
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": token(cfg.model.bos_id),
               "eos_token": token(cfg.model.eos_id)}
+    if tok.tok.encode_special_tokens:
+      config["split_special_tokens"] = True
   elif isinstance(tok, tokenizer_lib.SentencePieceTokenizer) and getattr(families.FAMILIES[kind], "SPM_EXPORT", False):
     shutil.copyfile(path, os.path.join(out, "tokenizer.model"))
     config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": cfg.data.add_bos, "add_eos_token": False}
