@@ -18,15 +18,21 @@ one surfacing from orbax's background thread, is `CheckpointWriteError`, one
 line naming the last complete step; earlier checkpoints are left as they were.
 `restore_newest_intact` (the training job's resume) renames damaged newer
 checkpoints `<step>.corrupt`, out of orbax's listing, and restores the one before.
+`DamagedCheckpoint` names the file to blame (`damaged_file`). Files a restore never
+reads (the per-process OCDBT manifests and b-tree nodes that orbax's merged index
+supersedes, `commit_success.txt`) are not checked: damage to them changes nothing.
 """
 
 import errno
+import json
 import logging
 import math
 import os
+import re
 import shutil
 import sys
 import traceback
+import warnings
 
 from etils import epath
 from flax import traverse_util
@@ -34,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+import tensorstore as ts
 from jax.experimental import multihost_utils
 
 from jaxformer import checksum
@@ -141,6 +148,8 @@ def _quiet_orbax_noise():
     return
   logging.getLogger("absl").addFilter(_QuietOrbaxTracebacks())
   logging.getLogger("asyncio").addFilter(lambda record: not _is_orbax_asyncio_noise(record))
+  # The same abandoned reads, when one was never started: a two-line RuntimeWarning under the warning line.
+  warnings.filterwarnings("ignore", r"coroutine '_read_array_index_and_device_put' was never awaited", RuntimeWarning)
   previous = sys.unraisablehook
 
   def hook(unraisable):
@@ -149,6 +158,115 @@ def _quiet_orbax_noise():
 
   hook.jaxformer = True
   sys.unraisablehook = hook
+
+
+class _Unusable(Exception):
+  """A file a restore needs and cannot use; the message is its path relative to the checkpoint."""
+
+
+def _ocdbt_file(location):
+  """(path relative to the database directory, offset, length) of an OCDBT node or value location,
+  'btreenode::d/ab12:0:180' or 'value:ocdbt.process_0/:d/cd34:15391:3862' (`ts.ocdbt.dump`'s form)."""
+  head, offset, length = location.split(":", 1)[1].rsplit(":", 2)
+  base, name = head.split(":", 1)
+  return base + name, int(offset), int(length)
+
+
+def _ocdbt_values(step_dir):
+  """[(key, file)] of every value of the latest version of `<step_dir>/state`'s OCDBT database (the
+  one a restore reads: orbax's merged index), `file` relative to `step_dir` (the b-tree node for a
+  value stored inline); [] if the arrays are not in an OCDBT database.
+
+  Raises `_Unusable` naming the manifest, a node or a data file that tensorstore cannot decode, or
+  that is missing or shorter than a reference into it. The per-process manifests and the nodes
+  of their earlier versions are not read: a restore never does.
+  """
+  state = os.path.join(step_dir, "state")
+  if not os.path.exists(os.path.join(state, "manifest.ocdbt")) and not any(
+      n.startswith("ocdbt.process_") for n in (os.listdir(state) if os.path.isdir(state) else [])):
+    return []  # plain zarr directories (orbax's use_ocdbt=False)
+
+  def whole(rel, end):
+    path = os.path.join(state, rel)
+    if not os.path.isfile(path) or os.path.getsize(path) < end:
+      raise _Unusable(os.path.join("state", rel))
+
+  kv = ts.KvStore.open({"driver": "file", "path": state + os.sep}).result()
+  whole("manifest.ocdbt", 1)
+  try:
+    versions = ts.ocdbt.dump(kv).result()["versions"]
+  except Exception as e:  # pylint: disable=broad-exception-caught  (tensorstore's DATA_LOSS, ...)
+    raise _Unusable("state/manifest.ocdbt") from e
+  root = versions[-1]["root"].get("location") if versions else None
+  values, nodes = [], [(root, b"")] if root else []
+  while nodes:
+    location, prefix = nodes.pop()
+    rel, offset, length = _ocdbt_file(location)
+    whole(rel, offset + length)
+    try:
+      node = ts.ocdbt.dump(kv, location).result()
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      raise _Unusable(os.path.join("state", rel)) from e
+    for entry in node["entries"]:
+      key = prefix + entry["key"]
+      if "indirect_value" in entry:
+        value_rel, offset, length = _ocdbt_file(entry["indirect_value"])
+        whole(value_rel, offset + length)
+        values.append((key, os.path.join("state", value_rel)))
+      elif "location" in entry:  # an interior node: its children's keys follow the common prefix
+        nodes.append((entry["location"], prefix + entry.get("subtree_common_prefix", b"")))
+      else:
+        values.append((key, os.path.join("state", rel)))
+  return values
+
+
+def _json_files(step_dir):
+  """[(path relative to `step_dir`, required)] of the JSON files a restore reads."""
+  listing = os.path.join(step_dir, "state", "array_metadatas")
+  per_process = sorted(os.listdir(listing)) if os.path.isdir(listing) else []
+  return ([("state/_METADATA", True), ("state/_sharding", False), ("meta/metadata", True)]
+          + [(f"state/array_metadatas/{name}", False) for name in per_process])
+
+
+def damaged_file(step_dir, error=None, array=None):
+  """The file of checkpoint directory `step_dir` to blame for a failed restore (relative to it), or None.
+
+  `array`, a path whose data failed its checksum ('params/embed/embedding'): the file(s) its data
+  was read from. Otherwise the first file a restore reads and cannot use: a JSON file missing or
+  not JSON, an OCDBT manifest or node that tensorstore cannot decode, a data file missing or shorter
+  than what refers to it; when those are all whole, the data file of the array that tensorstore's
+  message in `error` names (bytes changed in place: undecodable). Best effort, on the error path:
+  any failure of the diagnosis itself is None.
+  """
+  try:
+    if array is None:
+      for rel, required in _json_files(step_dir):
+        path = os.path.join(step_dir, rel)
+        if os.path.exists(path) or required:
+          try:
+            with open(path, encoding="utf-8") as f:
+              json.load(f)
+          except (OSError, ValueError):  # missing, not UTF-8 or not JSON
+            return rel
+    values = _ocdbt_values(step_dir)
+    if array is not None:
+      key = array.replace("/", ".") + "/"  # orbax's key of the array's chunks: 'params.embed.embedding/0.0'
+    else:
+      text = []
+      while error is not None and len(text) < 10:
+        text.append(str(error))
+        error = error.__cause__ or error.__context__
+      named = re.search(r'Error reading "([^"]+)" in OCDBT database', " ".join(text))
+      key = named.group(1) if named else None
+    if key is None:
+      return None
+    files = sorted({f for k, f in values
+                    if k.startswith(key.encode()) and not k.endswith((b"/.zarray", b"/zarr.json"))})
+    return _some(files) if files else None
+  except _Unusable as e:
+    return str(e)
+  except Exception:  # pylint: disable=broad-exception-caught  (never hide the damage behind a failed diagnosis)
+    return None
 
 
 def _all_processes(ok):
@@ -362,7 +480,7 @@ class Checkpointer:
         if str(x.dtype) != stored.get(checksum.path_str(p), str(x.dtype)) else x, tree)
     sums, nonfinite = checksum.fingerprint(tree)
     if "step" in meta and meta["step"] != step:
-      raise DamagedCheckpoint(self.directory, step, f"its metadata names step {meta['step']}")
+      raise DamagedCheckpoint(self.directory, step, f"meta/metadata names step {meta['step']}")
     if not isinstance(record, dict) or record.get("algorithm") != checksum.ALGORITHM:
       why = ("was written before checkpoints carried checksums" if record is None else
              f"carries checksums of an unknown kind ({str(record)[:40]})")
@@ -370,9 +488,12 @@ class Checkpointer:
       return nonfinite
     recorded = record.get("arrays", {})
     for path, value in sums.items():
-      if recorded.get(path) != value:
-        raise DamagedCheckpoint(self.directory, step, f"{path} does not match its checksum" if path in recorded
-                                else f"no checksum recorded for {path}")
+      if path not in recorded:
+        raise DamagedCheckpoint(self.directory, step, f"no checksum recorded for {path} (meta/metadata)")
+      if recorded[path] != value:
+        file = damaged_file(os.path.join(self.directory, str(step)), array=path)
+        raise DamagedCheckpoint(self.directory, step,
+                                f"{path} does not match its checksum" + (f" (read from {file})" if file else ""))
     return nonfinite
 
   def _read(self, step, read, what="it"):
@@ -387,7 +508,10 @@ class Checkpointer:
     except (UserError, KeyboardInterrupt, MemoryError):
       raise
     except Exception as e:  # pylint: disable=broad-exception-caught  (whatever orbax or tensorstore raise)
-      error = DamagedCheckpoint(self.directory, step, f"cannot read {what} ({_one_line(e)})")
+      # orbax's message rarely names the file (a JSON error never does, tensorstore's is cut short)
+      file = damaged_file(os.path.join(self.directory, str(step)), error=e)
+      error = DamagedCheckpoint(self.directory, step,
+                                f"cannot read {what} ({_one_line(e)})" + (f" in {file}" if file else ""))
       error.__cause__ = e
     if not _all_processes(error is None):
       raise error or DamagedCheckpoint(self.directory, step, "another process could not read it")
