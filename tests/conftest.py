@@ -223,7 +223,7 @@ def with_default_codegen(test, codegen="default", xla_flags=XLA_FLAGS_GIVEN):
       return test(*args, **kwargs)
     node = os.environ["PYTEST_CURRENT_TEST"].rsplit(" ", 1)[0]
     env = {**os.environ, "JAXFORMER_TEST_CODEGEN": codegen, "XLA_FLAGS": xla_flags}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "",  # slow ones too
                            f"--basetemp={tempfile.mkdtemp()}", node], env=env, capture_output=True, text=True,
                           cwd=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-5000:] + proc.stderr[-2000:]

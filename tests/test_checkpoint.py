@@ -402,6 +402,7 @@ def _damage(path, how):
 # orbax abandons the other reads when one fails (checkpoint._quiet_orbax_noise drops this in train.py;
 # pytest resets warning filters per test)
 @pytest.mark.filterwarnings("ignore:coroutine '_read_array_index_and_device_put' was never awaited:RuntimeWarning")
+@pytest.mark.slow  # every file x 4 damage kinds (~300 restores); test_damaged_newest_checkpoint_* stay in the quick suite
 def test_every_damaged_file_is_caught_naming_it_or_harmless(tiny_run, tmp_path, caplog):
   """Every file of a real checkpoint (tiny_encdec's step 8) x each damage kind (the middle 64 bytes
   inverted, cut to 100 bytes, emptied, removed): either the restore that train.py's resume runs on

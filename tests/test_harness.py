@@ -209,6 +209,7 @@ def _train_text(path):
   return str(path)
 
 
+@pytest.mark.slow  # a training run; eval.py --tasks on a checkpoint stays in the quick suite
 def test_harness_tasks_run_at_eval_steps_and_equal_eval_py_on_the_checkpoint(tmp_path):
   from jaxformer import config as config_lib  # pylint: disable=g-import-not-at-top
   from jaxformer import train  # pylint: disable=g-import-not-at-top
@@ -281,7 +282,7 @@ def test_chat_rendering_with_and_without_the_generation_prompt(converted):
   assert lm.chat_template(True) == LLAMA3_TEMPLATE and lm.chat_template(False) is None
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, pytest.param(4, marks=pytest.mark.slow)])
 def test_a_quantized_workdir_scores_as_its_dequantized_float_model(converted, tmp_path, bits):
   from jaxformer import quantize  # pylint: disable=g-import-not-at-top
   workdir, cfg, model, params, tok = converted("llama")

@@ -79,6 +79,7 @@ def wheel(tmp_path_factory):
   return next(out.glob("jaxformer-*.whl"))
 
 
+@pytest.mark.slow  # builds the wheel (pip wheel, the C++ kernels included)
 def test_wheel_installs_recipes_inside_the_namespace(wheel):
   names = zipfile.ZipFile(wheel).namelist()
   tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}

@@ -495,6 +495,7 @@ def test_the_harness_reads_a_lora_workdir_as_its_merged_model(base_run):
   assert max(abs(g[0] - b[0]) for g, b in zip(got, base)) > 1e-3  # the adapters count
 
 
+@pytest.mark.slow  # a server process; the merged model's equality stays in the quick suite
 def test_a_lora_workdir_is_served_as_its_merged_model(base_run):
   """`jaxformer.serve` on a LoRA workdir serves W + (alpha / r) A B as merged here (lora.merge): concurrent greedy
   completions equal `jaxformer.generate`'s text on those weights, and each first token's logprob equals the

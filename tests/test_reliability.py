@@ -109,6 +109,7 @@ def baseline(tmp_path_factory):
   return workdir
 
 
+@pytest.mark.slow  # kill -9 of a real train.py; test_train's in-process resume stays in the quick suite
 def test_killed_and_resumed_run_matches_the_uninterrupted_one(baseline, tmp_path):
   """3 SIGKILLs (one mid-save) and a SIGTERM, each followed by the same command: same final params."""
   rng = random.Random(0)

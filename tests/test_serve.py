@@ -477,7 +477,7 @@ def test_a_translation_workdir_serves_v1_translate_as_eval_translates(translatio
     _stop(proc)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2"])
+@pytest.mark.parametrize("name", ["mixtral", pytest.param("qwen2", marks=pytest.mark.slow)])
 def test_a_converted_workdir_serves_the_tokens_generate_gives_it(converted, name):
   """Workdirs imported with `convert --from-hf` (Mixtral: MoE layers; Qwen2: qkv biases, its tokenizer.json)
   served: 3 concurrent greedy completions equal jaxformer.generate's on the same workdir."""

@@ -296,7 +296,6 @@ def test_nan_policy_in_the_loop(tiny_run, tmp_path, monkeypatch):
 # Whole runs.
 
 
-@pytest.mark.slow
 def test_resume_continues_exactly(tiny_run, tmp_path):
   """8 steps in one go == 4 steps, then a new call with num_steps=8 in the same workdir."""
   workdir_a, cfg_a, result_a = tiny_run
