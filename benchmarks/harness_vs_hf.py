@@ -92,6 +92,20 @@ metric_list:
   return rows
 
 
+def gpt2_small_folder(tmp, workdir_name):
+  """gpt2_small shapes with random weights (float32) written as a Hugging Face folder (with the GPT-2 fixture's
+  tokenizer) in `tmp`/hf, and imported with `convert --from-hf` into `tmp`/`workdir_name` -> (folder, workdir)."""
+  from decode_vs_hf import build, write_hf  # pylint: disable=g-import-not-at-top
+  from jaxformer import convert  # pylint: disable=g-import-not-at-top
+  cfg, _, params = build("gpt2_small", ["model.dtype=float32"])
+  folder = write_hf(cfg, params, "gpt2", os.path.join(tmp, "hf"))
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    shutil.copy(os.path.join(TOKENIZER, name), folder)
+  workdir = os.path.join(tmp, workdir_name)
+  convert.from_hf(folder, workdir, log=lambda *a, **k: None)
+  return folder, workdir
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--python", required=True, help="the peer's interpreter (torch, transformers, lm-eval)")
@@ -102,18 +116,12 @@ def main(argv=None):
   args = parser.parse_args(argv)
   if not os.path.exists(WIKI):
     sys.exit(f"{WIKI} is missing: this benchmark reads WikiText-2's test text from ../shared/data")
-  from decode_vs_hf import build, write_hf  # pylint: disable=g-import-not-at-top
-  from jaxformer import convert, harness  # pylint: disable=g-import-not-at-top
+  from jaxformer import harness  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   tmp = tempfile.mkdtemp(prefix="harness_vs_hf_")
   try:
     rows = make_task(os.path.join(tmp, "tasks"), args.docs)
-    cfg, _, params = build("gpt2_small", ["model.dtype=float32"])
-    folder = write_hf(cfg, params, "gpt2", os.path.join(tmp, "hf"))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-      shutil.copy(os.path.join(TOKENIZER, name), folder)
-    workdir = os.path.join(tmp, "ours")
-    convert.from_hf(folder, workdir, log=lambda *a, **k: None)
+    folder, workdir = gpt2_small_folder(tmp, "ours")
     lm = harness.JaxformerLM(workdir, batch_size=args.batch)
     print(f"task: {len(rows)} documents x 4 choices from WikiText-2 test; gpt2_small shapes "
           f"({sum(x.size for x in jax.tree.leaves(lm.params)):,} parameters), float32, batch {args.batch}; "

@@ -64,21 +64,14 @@ def main(argv=None):
   parser.add_argument("--server-checkout", default=ROOT, help="run the server of this checkout (default: this one)")
   parser.add_argument("--out", default=None, help="write the figures as JSON here")
   args = parser.parse_args(argv)
-  from harness_vs_hf import TOKENIZER, WIKI, make_task  # pylint: disable=g-import-not-at-top
-  from decode_vs_hf import build, write_hf  # pylint: disable=g-import-not-at-top
-  from jaxformer import convert  # pylint: disable=g-import-not-at-top
+  from harness_vs_hf import WIKI, gpt2_small_folder, make_task  # pylint: disable=g-import-not-at-top
   if not os.path.exists(WIKI):
     sys.exit(f"{WIKI} is missing: this benchmark reads WikiText-2's test text from ../shared/data")
   tmp = tempfile.mkdtemp(prefix="lm_eval_api_")
   server = None
   try:
     rows = make_task(os.path.join(tmp, "tasks"), args.docs)
-    cfg, _, params = build("gpt2_small", ["model.dtype=float32"])
-    folder = write_hf(cfg, params, "gpt2", os.path.join(tmp, "hf"))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-      shutil.copy(os.path.join(TOKENIZER, name), folder)
-    workdir = os.path.join(tmp, "served")
-    convert.from_hf(folder, workdir, log=lambda *a, **k: None)
+    folder, workdir = gpt2_small_folder(tmp, "served")
     server = subprocess.Popen([sys.executable, "-m", "jaxformer.serve", "--workdir", workdir, "--port", "0",
                                "--max-batch", str(args.batch)], cwd=os.path.abspath(args.server_checkout),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

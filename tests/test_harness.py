@@ -180,6 +180,7 @@ def test_bad_requests_are_one_line(converted, tiny_run, monkeypatch):
     harness.JaxformerLM(tiny_run[0])
 
 
+@pytest.mark.slow  # eval.py as a process; the same run_tasks is tested in-process in the quick suite
 def test_eval_py_tasks_prints_the_table_and_writes_json_and_names_missing_data(converted, tmp_path):
   workdir = converted("gpt2")[0]
   env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -282,7 +283,8 @@ def test_chat_rendering_with_and_without_the_generation_prompt(converted):
   assert lm.chat_template(True) == LLAMA3_TEMPLATE and lm.chat_template(False) is None
 
 
-@pytest.mark.parametrize("bits", [8, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.slow  # quantize + the harness, each tested on its own in the quick suite
+@pytest.mark.parametrize("bits", [8, 4])
 def test_a_quantized_workdir_scores_as_its_dequantized_float_model(converted, tmp_path, bits):
   from jaxformer import quantize  # pylint: disable=g-import-not-at-top
   workdir, cfg, model, params, tok = converted("llama")

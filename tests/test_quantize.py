@@ -355,7 +355,8 @@ def _logits(model, params, ids):
   return np.asarray(model.apply({"params": params}, ids))
 
 
-@pytest.mark.parametrize("name,bits,embedding", [("gpt2", 8, "int8"), ("gpt2", 4, "float"), ("llama", 8, "float"),
+@pytest.mark.parametrize("name,bits,embedding", [("gpt2", 8, "int8"), ("gpt2", 4, "float"),
+                                                  pytest.param("llama", 8, "float", marks=pytest.mark.slow),  # gpt2's
                                                   ("llama", 4, "int8"), ("mixtral", 4, "int8"), ("gpt2", 4, "int4"),
                                                   ("llama", 8, "int4")])
 def test_quantized_workdir_equals_the_dequantized_float_model(converted, tmp_path, name, bits, embedding):

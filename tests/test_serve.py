@@ -33,6 +33,22 @@ TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\nAll: Spe
         "User: Assistant: What is your name? MENENIUS, VOLUMNIA, CORIOLANUS! qxzjk 0123456789\n")
 
 
+def _write_run(path, cfg, seed, final_scale=None):
+  """Writes a workdir of `cfg` with random N(0, 0.3) params (no compiled init) at step 1 into `path` -> str(path);
+  final_scale: the decoder's last norm scale (peaky logits: varied text)."""
+  model = model_lib.build_model(cfg.model)
+  ids = jnp.zeros((1, 8), jnp.int32)
+  args = (ids, ids) if cfg.model.arch == "encoder_decoder" else (ids,)
+  shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), *args)["params"]
+  rng = np.random.default_rng(seed)
+  params = jax.tree.map(lambda s: np.asarray(rng.normal(0.0, 0.3, s.shape), s.dtype), nn.unbox(shapes))
+  if final_scale is not None:
+    params["decoder"]["final_norm"]["scale"] = np.full_like(params["decoder"]["final_norm"]["scale"], final_scale)
+  checkpoint_lib.save_params(str(path), params, step=1)
+  (path / "config.json").write_text(config_lib.to_json(cfg))
+  return str(path)
+
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
   """A decoder-only workdir made by hand: gpt2_tiny (256 positions) with random params, a char tokenizer, the
@@ -42,14 +58,7 @@ def workdir(tmp_path_factory):
   cfg = config_lib.load_config("gpt2_tiny", [f"model.vocab_size={tok.vocab_size}", "model.max_len=256",
                                              "data.chat_template=plain"])
   tok.save(str(path / "tokenizer.json"))
-  model = model_lib.build_model(cfg.model)
-  shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
-  rng = np.random.default_rng(0)  # random params without compiling an init; a peaky last norm: varied text
-  params = jax.tree.map(lambda s: np.asarray(rng.normal(0.0, 0.3, s.shape), s.dtype), nn.unbox(shapes))
-  params["decoder"]["final_norm"]["scale"] = np.full_like(params["decoder"]["final_norm"]["scale"], 4.0)
-  checkpoint_lib.save_params(str(path), params, step=1)
-  (path / "config.json").write_text(config_lib.to_json(cfg))
-  return str(path)
+  return _write_run(path, cfg, seed=0, final_scale=4.0)
 
 
 def _start(workdir, *flags, env=None):
@@ -264,13 +273,7 @@ def word_workdir(tmp_path_factory):
   tok.save(str(path / "tokenizer.json"))
   cfg = config_lib.load_config("gpt2_tiny", [f"model.vocab_size={len(words)}", "model.max_len=128", "data.tokenizer=hf",
                                              "model.pad_id=0", "model.bos_id=1", "model.eos_id=2"])
-  model = model_lib.build_model(cfg.model)
-  shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
-  rng = np.random.default_rng(1)
-  params = jax.tree.map(lambda s: np.asarray(rng.normal(0.0, 0.3, s.shape), s.dtype), nn.unbox(shapes))
-  checkpoint_lib.save_params(str(path), params, step=1)
-  (path / "config.json").write_text(config_lib.to_json(cfg))
-  return str(path)
+  return _write_run(path, cfg, seed=1)
 
 
 def test_text_is_decoded_in_context_streamed_or_echoed(word_workdir):
@@ -413,6 +416,7 @@ def test_key_queue_disconnect_and_sigterm_drain(workdir, local):
     _stop(proc)
 
 
+@pytest.mark.slow  # quantize's command + a server; the engine on quantized weights: test_engine (quick)
 def test_a_quantized_workdir_serves_the_tokens_generate_gives_it(workdir, tmp_path):
   """`python -m jaxformer.quantize --bits 4` on the run, then served: 4 concurrent greedy completions equal
   jaxformer.generate's on the quantized workdir (int4 projections and the int8 table on both sides)."""
@@ -435,14 +439,7 @@ def translation_workdir(tmp_path_factory):
   cfg = config_lib.load_config("tiny_encdec", [f"model.vocab_size={tok.vocab_size}", "data.tokenizer=char",
                                                "model.max_len=48", "decode.beam_size=2", "decode.max_extra_len=6"])
   tok.save(str(path / "tokenizer.json"))
-  model = model_lib.build_model(cfg.model)
-  ids = jnp.zeros((1, 8), jnp.int32)
-  shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0), ids, ids)["params"]
-  rng = np.random.default_rng(1)
-  params = jax.tree.map(lambda s: np.asarray(rng.normal(0.0, 0.3, s.shape), s.dtype), nn.unbox(shapes))
-  checkpoint_lib.save_params(str(path), params, step=1)
-  (path / "config.json").write_text(config_lib.to_json(cfg))
-  return str(path)
+  return _write_run(path, cfg, seed=1)
 
 
 def test_a_translation_workdir_serves_v1_translate_as_eval_translates(translation_workdir):
