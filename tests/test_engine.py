@@ -325,6 +325,7 @@ print("RESULT " + json.dumps(out))
 '''
 
 
+@pytest.mark.slow  # a process on 4 simulated devices
 def test_sharded_serving_gives_the_tokens_of_one_device(tmp_path):
   """On 4 simulated CPU devices: the engine over a (tensor 2) and an (fsdp 2 x tensor 2) mesh, weights sharded by
   the training rule table and the KV pool over kv heads, gives the greedy tokens of one device (and of

@@ -301,6 +301,7 @@ for name, overrides, rows, lengths, extra in CASES:
 """
 
 
+@pytest.mark.slow  # compiles train steps for 8 simulated devices
 def test_memory_plan_within_15_percent_of_xla_on_8_simulated_devices():
   """The real train step, compiled (not run) for 8 CPU devices: XLA's per-device bytes against the plan's."""
   out = subprocess.run([sys.executable, "-c", _XLA_CHECK], cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -6,11 +6,13 @@ import os
 import re
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 NOTEBOOK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "notebooks", "colab_tpu.ipynb")
 
 
+@pytest.mark.slow  # a Jupyter kernel running the notebook end to end
 def test_colab_notebook_trains_samples_and_evaluates(tmp_path, monkeypatch):
   nb = nbformat.read(NOTEBOOK, as_version=4)
   # Papermill-style: a cell after the tagged parameters cell overrides them.

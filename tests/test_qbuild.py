@@ -15,6 +15,7 @@ from jaxformer import qkernel
 from jaxformer import qmatmul
 
 
+@pytest.mark.slow  # a pip build of the kernels (every install builds them too)
 def test_install_build_loads_and_matches_the_xla_path(tmp_path):
   lib = tmp_path / "_qmatmul.so"
   lines = []

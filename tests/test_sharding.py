@@ -38,6 +38,7 @@ def results(tmp_path_factory):
   return out
 
 
+@pytest.mark.slow  # 8 simulated devices in 2 processes (the `results` fixture)
 @pytest.mark.parametrize("model", MODELS)
 def test_every_mesh_gives_the_one_device_losses(results, model):
   r = results[model]
@@ -48,6 +49,7 @@ def test_every_mesh_gives_the_one_device_losses(results, model):
     np.testing.assert_allclose(r["runs"][mesh]["losses"], reference, rtol=1e-5, err_msg=mesh)
 
 
+@pytest.mark.slow  # the same processes
 @pytest.mark.parametrize("model", MODELS)
 def test_parameters_and_activations_are_sharded_by_the_rules(results, model):
   runs, d_ff = results[model]["runs"], {"tiny_encdec": 64, "gpt2_tiny": 128}[model]
@@ -63,6 +65,7 @@ def test_parameters_and_activations_are_sharded_by_the_rules(results, model):
   assert results[model]["constraints"] == {"in_mesh": True, "outside": False}
 
 
+@pytest.mark.slow  # the same processes
 def test_checkpoint_restores_under_another_mesh_and_training_continues(results):
   r = results["tiny_encdec"]
   restore, reference = r["restore"], r["runs"]["1dev"]["losses"]
