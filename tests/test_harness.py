@@ -45,7 +45,8 @@ def _lm(converted, fixture, chat_template=False, batch_size=4):
   return harness.JaxformerLM(run=(cfg, model, params, tok), batch_size=batch_size, template=template)
 
 
-@pytest.mark.parametrize("name,fixture", [("gpt2", "gpt2"), ("llama", "llama"), ("llama3_chat", "llama3")])
+@pytest.mark.parametrize("name,fixture", [("gpt2", "gpt2"), ("llama", "llama"),
+                                          pytest.param("llama3_chat", "llama3", marks=pytest.mark.slow)])
 def test_every_request_matches_the_harness_hf_model(converted, monkeypatch, name, fixture):
   expected = _expected(name)
   lm = _lm(converted, fixture, chat_template=expected["apply_chat_template"])
@@ -250,8 +251,10 @@ def test_bad_harness_settings_stop_before_training(tmp_path, overrides, message)
     tiny_config("train.eval_harness_tasks=jf_letters")
 
 
-@pytest.mark.parametrize("overrides", [["model.moe_experts=4", "model.moe_top_k=2"], ["model.scan_layers=true"],
-                                       ["model.sliding_window=8", "model.attention_pattern=local,global"]])
+@pytest.mark.parametrize("overrides", [["model.moe_experts=4", "model.moe_top_k=2"],
+                                       pytest.param(["model.scan_layers=true"], marks=pytest.mark.slow),
+                                       pytest.param(["model.sliding_window=8", "model.attention_pattern=local,global"],
+                                                    marks=pytest.mark.slow)])
 def test_loglikelihood_of_other_models_against_brute_force(overrides):
   """MoE (dropless at evaluation), scanned layers and sliding-window layers go through the same path."""
   import flax.linen as nn  # pylint: disable=g-import-not-at-top

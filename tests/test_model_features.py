@@ -161,7 +161,7 @@ def test_every_feature_moves_the_logits(feature):
   assert diff.max() > 0.1, f"{feature}: logits moved by {diff.max():.3g} only"
 
 
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_ring_buffer_decode_past_the_window_equals_full_recompute(rows):
   """Local layers keep a window-sized ring (5 slots) while global layers keep all 17: one token
   at a time, and prompts in chunks longer than the window, give the full forward's logits."""

@@ -196,6 +196,7 @@ def _serve_decoding_by(model, params, attention, monkeypatch):
   return prompts, [r.output for r in requests]
 
 
+@pytest.mark.slow  # the whole engine in Pallas' interpreter; the kernel against numpy stays quick
 def test_engine_decodes_through_the_pallas_kernel_in_the_interpreter(monkeypatch):
   """The engine as it runs on a TPU (JAXFORMER_PAGED=pallas-interpret: prefill by the gather path, decode steps by
   the Pallas kernel, which reads the new token's key and value from the pool the layer wrote them to).

@@ -613,6 +613,7 @@ def test_int4_products_lower_to_the_pallas_kernel_for_tpu():
     assert "tpu_custom_call" not in jax.jit(qmatmul.matmul).lower(x, q, s).as_text()
 
 
+@pytest.mark.slow  # a second C++ build of the kernel (AVX2 only)
 def test_an_avx2_build_has_no_blocked_product_and_streams_every_row(tmp_path):
   """The kernel built without AVX-512 (as on an AVX2-only CPU): `JfQmatmulGemmRows` says 0, so `qkernel.gemm_rows`
   would give None and `qmatmul.KERNEL_MAX_ROWS` bound the rows; its streaming loop still gives the XLA path's
