@@ -135,11 +135,7 @@ class JaxformerLM(TemplateLM):
 
   def _token_text(self, token_id):
     """The text of a special id (BOS), as the tokenizer writes it (`<|endoftext|>`, `<s>`), or None."""
-    if self._hf:
-      return self.tok.tok.id_to_token(token_id)
-    if hasattr(self.tok, "sp"):
-      return self.tok.sp.id_to_piece(token_id)
-    return None
+    return tokenizer_lib.special_text(self.tok, token_id)
 
   def tok_encode(self, string, add_special_tokens=None, **kwargs):
     """Token ids of `string`, as `jaxformer.chat` encodes text (a tokenizer.json matches its special tokens

@@ -25,6 +25,7 @@ accepting connections, lets the running requests finish for up to --drain-s seco
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import secrets
@@ -147,21 +148,12 @@ class Server:
     """Whether the run's tokenizer is a tokenizer.json (whose special tokens are matched in text)."""
     return isinstance(self.tokenizer, tokenizer_lib.HFTokenizer)
 
-  def token_text(self, token_id):
-    """The text a special id is written as (`<|endoftext|>`, `<s>`), None without one (a char tokenizer)."""
-    if token_id is None:
-      return None
-    if self.hf:
-      return self.tokenizer.tok.id_to_token(token_id)
-    sp = getattr(self.tokenizer, "sp", None)
-    return sp.id_to_piece(token_id) if sp is not None else None
-
   def tokenizer_info(self):
     """GET /tokenizer_info's body, as vLLM's: the tokenizer's class, special-token strings, context and chat
     template (where the run has one)."""
-    t = self.tokenizer
-    info = {"tokenizer_class": type(t).__name__, "bos_token": self.token_text(t.bos_id),
-            "eos_token": self.token_text(t.eos_id), "pad_token": self.token_text(t.pad_id),
+    t, text = self.tokenizer, functools.partial(tokenizer_lib.special_text, self.tokenizer)
+    info = {"tokenizer_class": type(t).__name__, "bos_token": text(t.bos_id), "eos_token": text(t.eos_id),
+            "pad_token": text(t.pad_id),
             "model_max_length": self.engine.max_seq_len if self.engine else self.cfg.model.max_len}
     if self.cfg.data.chat_template:
       try:

@@ -468,6 +468,17 @@ class MarianTokenizer(Tokenizer):
     return text.replace("\u2581", " ").strip()
 
 
+def special_text(tokenizer, token_id):
+  """The text a special id is written as (`<|endoftext|>`, `<s>`): a tokenizer.json's or a sentencepiece
+  model's piece; None for None or a tokenizer without one (char, byte)."""
+  if token_id is None:
+    return None
+  if isinstance(tokenizer, HFTokenizer):
+    return tokenizer.tok.id_to_token(token_id)
+  sp = getattr(tokenizer, "sp", None)
+  return sp.id_to_piece(token_id) if sp is not None else None
+
+
 def load_tokenizer(path):
   """Loads a tokenizer from `path`: `*.model` (spm), `*.json` (ours: char, marian; else a HF tokenizer.json), "byte"."""
   path = os.fspath(path)
