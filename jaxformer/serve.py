@@ -227,6 +227,7 @@ class Completion:
     self.stops, self.stop_ids = stops, set(stop_ids)
     self.tokens, self.logprobs, self.text, self.sent = [], [], "", 0
     self.decoder = detokenize.IncrementalDecoder(server.tokenizer, request.prompt)
+    self._prompt_pieces = None
     self.finish_reason = None
     self.start = time.perf_counter()
     self.first = None
@@ -302,12 +303,14 @@ class Completion:
   def prompt_logprobs(self, k):
     """Per prompt token (echo): (its text in context, logprob or None for the first, top k or None)."""
     prompt = self.request.prompt
-    decoder = detokenize.IncrementalDecoder(self.server.tokenizer)
-    decoder.extend(prompt)
-    if not self.decoder.pieces:        # nothing follows: the prompt's held-back text is its own
-      decoder.flush()
+    if self._prompt_pieces is None:    # decoded once (the echoed text and the logprob rows both read it)
+      decoder = detokenize.IncrementalDecoder(self.server.tokenizer)
+      decoder.extend(prompt)
+      if not self.decoder.pieces:      # nothing follows: the prompt's held-back text is its own
+        decoder.flush()
+      self._prompt_pieces = decoder.pieces
     out = []
-    for i, (t, piece) in enumerate(zip(prompt, decoder.pieces)):
+    for i, (t, piece) in enumerate(zip(prompt, self._prompt_pieces)):
       scored = self.request.prompt_logprobs[i] if self.request.prompt_logprobs else None
       if scored is None:
         out.append((piece, None, None))
